@@ -203,6 +203,13 @@ class KV:
     KVLEASE: Final = "kvlease"  # the sub-object the kvlease connector adds and reads
 
 
+#: Keys of the ``kvlease`` sub-object of *P's* response params: what P's verified pull did on this
+#: turn, so the router can report it. ``reused_tokens``: prompt tokens taken from D's blocks (0 if
+#: none); ``reuse``: a :class:`ReuseStatus` value (``hit``, ``miss``, ``mismatch``, ``expired``).
+PREFILL_REUSED_TOKENS: Final = "reused_tokens"
+PREFILL_REUSE_STATUS: Final = "reuse"
+
+
 def prefill_request_params() -> dict[str, Any]:
     """The ``kv_transfer_params`` a router sends to P on a turn with no handle to reuse."""
     return {
