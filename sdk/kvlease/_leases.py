@@ -1,0 +1,240 @@
+"""The lease keeper's state machine: sans-IO, takes ``now`` and returns decisions.
+
+A :class:`LeaseTable` holds the open leases of one wrapped client, grouped by router. Each router has
+one renewal deadline: every ``renew_fraction`` (60 %) of the shortest TTL it announced, *all* its
+open conversations are renewed with one batched ``POST /v1/kvlease/renew``; so 10,000 conversations
+cost one request per period and a few hundred bytes each. A conversation idle for longer than
+``max_idle`` is dropped before a renewal and handed back for release; an ``unknown`` in the answer
+drops that one (its next turn starts a new lease).
+
+:class:`LeaseWire` builds the HTTP requests and reads the answers, mapping errors to
+:class:`~kvlease.LeaseError` (``transient`` ones are retried by the IO shells).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from kvlease import protocol
+from kvlease._errors import LeaseError
+
+__all__ = ["LeaseTable", "LeaseWire", "ReleaseOrder", "RenewBatch", "RetryPolicy", "TransientLeaseError"]
+
+_RETRY_STATUS: Final = frozenset({408, 425, 429, 500, 502, 503, 504})
+
+
+class TransientLeaseError(LeaseError):
+    """A lease request failed in a way worth retrying (network error, 5xx, 429)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """Retries of one renew request (tenacity: attempts | delay, exponential backoff with jitter)."""
+
+    attempts: int = 4
+    max_delay_s: float = 30.0
+    initial_wait_s: float = 0.5
+    max_wait_s: float = 8.0
+    jitter_s: float = 0.5
+    timeout_s: float = 10.0  # one HTTP request
+
+
+@dataclass(frozen=True, slots=True)
+class RenewBatch:
+    root: str
+    headers: Mapping[str, str]
+    conversation_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseOrder:
+    root: str
+    headers: Mapping[str, str]
+    conversation_id: str
+    explicit: bool
+
+
+class _Lease:
+    __slots__ = ("expires_at", "explicit", "last_active")
+
+    def __init__(self, expires_at: float, last_active: float, explicit: bool) -> None:
+        self.expires_at = expires_at
+        self.last_active = last_active
+        self.explicit = explicit
+
+
+class _Router:
+    __slots__ = ("headers", "leases", "next_due", "ttl")
+
+    def __init__(self, ttl: float, headers: Mapping[str, str], next_due: float) -> None:
+        self.ttl = ttl
+        self.headers = dict(headers)
+        self.next_due = next_due
+        self.leases: dict[str, _Lease] = {}
+
+
+class LeaseTable:
+    """Open leases of one client, per router (see the module docstring). Not thread-safe: the IO
+    shells hold a lock around it."""
+
+    def __init__(self, *, max_idle: float, renew_fraction: float = 0.6) -> None:
+        if not 0 < renew_fraction < 1:
+            raise ValueError("renew_fraction must be in (0, 1)")
+        if max_idle <= 0:
+            raise ValueError("max_idle must be positive")
+        self.max_idle = max_idle
+        self.renew_fraction = renew_fraction
+        self._routers: dict[str, _Router] = {}
+        self._where: dict[str, str] = {}  # conversation id -> router root
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __contains__(self, conversation_id: object) -> bool:
+        return conversation_id in self._where
+
+    def activate(
+        self,
+        conversation_id: str,
+        root: str,
+        ttl: float,
+        headers: Mapping[str, str],
+        now: float,
+        *,
+        explicit: bool,
+    ) -> None:
+        """A turn ended with a lease of ``ttl`` seconds on ``root``."""
+        old_root = self._where.get(conversation_id)
+        if old_root is not None and old_root != root:
+            self._routers[old_root].leases.pop(conversation_id, None)
+        router = self._routers.get(root)
+        if router is None:
+            router = self._routers[root] = _Router(ttl, headers, now + self.renew_fraction * ttl)
+        else:
+            if headers:
+                router.headers = dict(headers)
+            router.ttl = min(router.ttl, ttl) if router.leases else ttl
+            router.next_due = min(router.next_due, now + self.renew_fraction * ttl)
+        router.leases[conversation_id] = _Lease(now + ttl, now, explicit)
+        self._where[conversation_id] = root
+
+    def forget(self, conversation_id: str) -> ReleaseOrder | None:
+        """Stop renewing ``conversation_id``; what to release, if it held a lease."""
+        root = self._where.pop(conversation_id, None)
+        if root is None:
+            return None
+        router = self._routers[root]
+        lease = router.leases.pop(conversation_id, None)
+        return ReleaseOrder(root, router.headers, conversation_id, lease is not None and lease.explicit)
+
+    def forget_all(self) -> list[ReleaseOrder]:
+        return [o for cid in list(self._where) if (o := self.forget(cid)) is not None]
+
+    def next_wakeup(self) -> float | None:
+        dues = [r.next_due for r in self._routers.values() if r.leases]
+        return min(dues) if dues else None
+
+    def due(self, now: float, *, force: bool = False) -> tuple[list[RenewBatch], list[ReleaseOrder]]:
+        """Renewals due at ``now`` (all when ``force``), and idle conversations to release."""
+        batches: list[RenewBatch] = []
+        idle: list[ReleaseOrder] = []
+        for root, router in self._routers.items():
+            if not router.leases or (not force and now < router.next_due):
+                continue
+            stale = [cid for cid, lease in router.leases.items() if now - lease.last_active > self.max_idle]
+            for cid in stale:
+                lease = router.leases.pop(cid)
+                del self._where[cid]
+                idle.append(ReleaseOrder(root, router.headers, cid, lease.explicit))
+            ids = tuple(router.leases)
+            for i in range(0, len(ids), protocol.RENEW_MAX_IDS):
+                batches.append(RenewBatch(root, router.headers, ids[i : i + protocol.RENEW_MAX_IDS]))
+            # until an answer comes: try again after another fraction of the TTL
+            router.next_due = now + self.renew_fraction * router.ttl
+        return batches, idle
+
+    def renewed(self, batch: RenewBatch, answer: protocol.RenewResponse, now: float) -> list[str]:
+        """Apply a renew answer; returns the ids the router does not know (no longer renewed)."""
+        router = self._routers.get(batch.root)
+        if router is None:
+            return []
+        if answer.ttl is not None and answer.ttl > 0:
+            router.ttl = answer.ttl
+        unknown: list[str] = []
+        shortest = router.ttl
+        for cid in batch.conversation_ids:
+            lease = router.leases.get(cid)
+            if lease is None:
+                continue
+            exp = answer.leases.get(cid)
+            if exp is None:
+                unknown.append(cid)
+                del router.leases[cid]
+                self._where.pop(cid, None)
+                continue
+            lease.expires_at = now + exp
+            shortest = min(shortest, exp)
+        router.next_due = now + self.renew_fraction * shortest
+        return unknown
+
+    def failed(self, batch: RenewBatch, now: float, *, permanent: bool) -> list[str]:
+        """A renew request failed after its retries. A permanent failure (4xx: the router has no lease
+        API, or refuses us) stops renewing that router's conversations; returns those ids."""
+        router = self._routers.get(batch.root)
+        if router is None:
+            return []
+        if not permanent:
+            router.next_due = min(router.next_due, now + 0.25 * self.renew_fraction * router.ttl)
+            return []
+        dropped = [cid for cid in batch.conversation_ids if router.leases.pop(cid, None) is not None]
+        for cid in dropped:
+            self._where.pop(cid, None)
+        return dropped
+
+    def is_idle(self, conversation_id: str, now: float) -> bool:
+        root = self._where.get(conversation_id)
+        if root is None:
+            return False
+        lease = self._routers[root].leases.get(conversation_id)
+        return lease is not None and now - lease.last_active > self.max_idle
+
+
+class LeaseWire:
+    """HTTP requests of the lease API and the interpretation of their answers (no IO)."""
+
+    @staticmethod
+    def renew_request(batch: RenewBatch) -> tuple[str, bytes, dict[str, str]]:
+        body = json.dumps(protocol.RenewRequest(batch.conversation_ids).to_json(), separators=(",", ":"))
+        headers = {**batch.headers, "content-type": "application/json"}
+        return batch.root + protocol.RENEW_PATH, body.encode(), headers
+
+    @staticmethod
+    def release_request(order: ReleaseOrder) -> tuple[str, dict[str, str]]:
+        return order.root + protocol.conversation_path(order.conversation_id), dict(order.headers)
+
+    @staticmethod
+    def renew_answer(status_code: int, body: bytes) -> protocol.RenewResponse:
+        check_status("renew", status_code, body)
+        try:
+            data: Any = json.loads(body)
+            return protocol.RenewResponse.from_json(data)
+        except (ValueError, protocol.ProtocolError) as e:
+            raise LeaseError(f"malformed renew answer: {e}", status_code=status_code, transient=False) from e
+
+    @staticmethod
+    def release_answer(status_code: int, body: bytes) -> None:
+        if status_code == 404:  # already gone: the goal of a release
+            return
+        check_status("release", status_code, body)
+
+
+def check_status(what: str, status_code: int, body: bytes) -> None:
+    if 200 <= status_code < 300:
+        return
+    text = body[:200].decode("utf-8", "replace")
+    if status_code in _RETRY_STATUS:
+        raise TransientLeaseError(f"{what} answered HTTP {status_code}: {text}", status_code=status_code)
+    raise LeaseError(f"{what} answered HTTP {status_code}: {text}", status_code=status_code, transient=False)

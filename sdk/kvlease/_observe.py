@@ -1,0 +1,234 @@
+"""Reading a completion response as its bytes stream past: sans-IO, incremental, cheap.
+
+:class:`ResponseObserver` is fed the raw body chunks (and the time each arrived) by the transport's
+stream wrapper, so nothing is read that the caller does not read. It understands a JSON body and an
+SSE stream (``text/event-stream``) of chat or legacy completions, and yields the first-token time,
+the usage the server reported and the assistant reply of choice 0 (content, reasoning, tool calls).
+A body it cannot read (unknown content encoding, malformed JSON) just yields less: never an error.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+from kvlease._strip import REASONING_FIELDS, AssistantReply, ToolCall
+
+__all__ = ["Observed", "ResponseObserver"]
+
+
+@dataclass(frozen=True, slots=True)
+class Observed:
+    reply: AssistantReply | None  # None: not (completely) seen
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    first_token_at: float | None  # the clock value passed to feed() with the first generated token
+
+
+class _ToolAcc:
+    __slots__ = ("args", "id", "name")
+
+    def __init__(self) -> None:
+        self.id: str | None = None
+        self.name: str | None = None
+        self.args: list[str] = []
+
+
+class ResponseObserver:
+    """Incremental reader of one completion response body (see the module docstring)."""
+
+    __slots__ = (
+        "_buf",
+        "_chunks",
+        "_complete",
+        "_content",
+        "_decoder",
+        "_enabled",
+        "_first",
+        "_reasoning",
+        "_reasoning_field",
+        "_tools",
+        "_usage",
+        "sse",
+    )
+
+    def __init__(self, *, sse: bool, content_encoding: str | None = None) -> None:
+        self.sse = sse
+        self._enabled = True
+        self._decoder: Any = None
+        enc = (content_encoding or "identity").strip().lower()
+        if enc in ("gzip", "deflate", "x-gzip"):
+            self._decoder = zlib.decompressobj(zlib.MAX_WBITS | 32)
+        elif enc != "identity":
+            self._enabled = False  # br, zstd, ...: timing only
+        self._buf = b""
+        self._chunks: list[bytes] = []
+        self._first: float | None = None
+        self._content: list[str] = []
+        self._reasoning: list[str] = []
+        self._reasoning_field: str | None = None
+        self._tools: dict[int, _ToolAcc] = {}
+        self._usage: Any = None
+        self._complete = False
+
+    def feed(self, chunk: bytes, now: float) -> None:
+        if not chunk:
+            return
+        if not self.sse:
+            if self._first is None:
+                self._first = now
+            if self._enabled:
+                self._chunks.append(chunk)
+            return
+        if not self._enabled:
+            if self._first is None:
+                self._first = now
+            return
+        if self._decoder is not None:
+            chunk = self._decoder.decompress(chunk)
+        if b"\r" in chunk:
+            chunk = chunk.replace(b"\r\n", b"\n")
+        buf = self._buf + chunk if self._buf else chunk
+        start = 0
+        while True:
+            end = buf.find(b"\n\n", start)
+            if end < 0:
+                break
+            self._event(buf[start:end], now)
+            start = end + 2
+        self._buf = buf[start:]
+
+    def result(self) -> Observed:
+        if not self.sse and self._enabled and self._chunks:
+            self._json_body()
+        reply: AssistantReply | None = None
+        if self._complete:
+            reply = AssistantReply(
+                content="".join(self._content) if self._content else None,
+                reasoning="".join(self._reasoning) if self._reasoning else None,
+                reasoning_field=self._reasoning_field,
+                tool_calls=tuple(
+                    ToolCall(t.id, t.name, "".join(t.args)) for _, t in sorted(self._tools.items())
+                ),
+            )
+        usage = self._usage if isinstance(self._usage, dict) else {}
+        return Observed(
+            reply, _int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens")), self._first
+        )
+
+    # ------------------------------------------------------------------------------------------ JSON
+
+    def _json_body(self) -> None:
+        body = b"".join(self._chunks)
+        if self._decoder is not None:
+            body = self._decoder.decompress(body) + self._decoder.flush()
+        try:
+            data = json.loads(body)
+        except ValueError:
+            return
+        if not isinstance(data, dict):
+            return
+        self._usage = data.get("usage")
+        choice = _choice0(data.get("choices"))
+        if choice is None:
+            return
+        message = choice.get("message")
+        if isinstance(message, dict):
+            reply = AssistantReply.from_message(message)
+            if reply.content:
+                self._content.append(reply.content)
+            if reply.reasoning:
+                self._reasoning.append(reply.reasoning)
+                self._reasoning_field = reply.reasoning_field
+            for i, t in enumerate(reply.tool_calls):
+                acc = self._tools[i] = _ToolAcc()
+                acc.id, acc.name, acc.args = t.id, t.name, [t.arguments]
+        elif isinstance(choice.get("text"), str):
+            self._content.append(choice["text"])
+        self._complete = True
+
+    # ------------------------------------------------------------------------------------------- SSE
+
+    def _event(self, event: bytes, now: float) -> None:
+        data: bytes | None = None
+        for line in event.split(b"\n"):
+            if line.startswith(b"data:"):
+                piece = line[5:].lstrip(b" ")
+                data = piece if data is None else data + b"\n" + piece
+        if data is None:
+            return
+        if data == b"[DONE]":
+            self._complete = True
+            return
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            return
+        if not isinstance(obj, dict):
+            return
+        usage = obj.get("usage")
+        if usage:
+            self._usage = usage
+        choice = _choice0(obj.get("choices"))
+        if choice is None:
+            return
+        got = False
+        delta = choice.get("delta")
+        if isinstance(delta, dict):
+            text = delta.get("content")
+            if text:
+                self._content.append(text)
+                got = True
+            for name in REASONING_FIELDS:
+                r = delta.get(name)
+                if r:
+                    self._reasoning.append(r)
+                    if self._reasoning_field is None:
+                        self._reasoning_field = name
+                    got = True
+                    break
+            calls = delta.get("tool_calls")
+            if calls:
+                got = True
+                for call in calls:
+                    self._tool_delta(call)
+        else:
+            text = choice.get("text")
+            if text:
+                self._content.append(text)
+                got = True
+        if got and self._first is None:
+            self._first = now
+        if choice.get("finish_reason"):
+            self._complete = True
+
+    def _tool_delta(self, call: Any) -> None:
+        if not isinstance(call, dict):
+            return
+        idx = call.get("index", len(self._tools))
+        acc = self._tools.get(idx)
+        if acc is None:
+            acc = self._tools[idx] = _ToolAcc()
+        if isinstance(call.get("id"), str):
+            acc.id = call["id"]
+        fn = call.get("function")
+        if isinstance(fn, dict):
+            if isinstance(fn.get("name"), str):
+                acc.name = fn["name"] if acc.name is None else acc.name + fn["name"]
+            if isinstance(fn.get("arguments"), str):
+                acc.args.append(fn["arguments"])
+
+
+def _choice0(choices: object) -> dict[str, Any] | None:
+    if not isinstance(choices, list):
+        return None
+    for c in choices:
+        if isinstance(c, dict) and c.get("index", 0) == 0:
+            return c
+    return None
+
+
+def _int(v: object) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None

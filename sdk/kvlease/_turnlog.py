@@ -1,0 +1,65 @@
+"""The turn log: one JSON line per completed turn, in the format the analyzer reads."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+from types import TracebackType
+from typing import IO, TYPE_CHECKING
+
+from kvlease import protocol
+
+if TYPE_CHECKING:
+    from kvlease._core import Turn
+
+__all__ = ["TurnLog"]
+
+
+class TurnLog:
+    """Append-only JSONL writer of :class:`~kvlease.Turn` records (thread-safe, flushed per line).
+
+    Each line has the keys of :data:`kvlease.protocol.TURN_LOG_FIELDS` (``ts`` is the turn's start,
+    ``gap_s`` the time since the previous turn of that conversation ended), then ``turn``,
+    ``history`` and ``reuse_off``.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        self._fh: IO[str] | None = None
+
+    def write(self, turn: Turn) -> None:
+        record = protocol.TurnLogRecord(
+            conversation_id=turn.conversation_id,
+            ts=round(turn.started_at, 6),
+            prompt_tokens=turn.prompt_tokens,
+            completion_tokens=turn.completion_tokens,
+            ttft_s=None if turn.ttft_s is None else round(turn.ttft_s, 6),
+            status=None if turn.status is None else turn.status.value,
+            reused_tokens=turn.reused_tokens,
+            gap_s=None if turn.gap_s is None else round(turn.gap_s, 6),
+            extra={"turn": turn.index, "history": turn.history.value, "reuse_off": turn.reuse_forced_off},
+        )
+        line = json.dumps(record.to_json(), separators=(",", ":")) + "\n"
+        with self._lock:
+            if self._fh is None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._fh = self.path.open("a", encoding="utf-8")
+            self._fh.write(line)
+            self._fh.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fh is not None:
+                self._fh.close()
+                self._fh = None
+
+    def __enter__(self) -> TurnLog:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()

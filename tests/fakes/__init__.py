@@ -1,0 +1,1 @@
+"""Fakes of things outside the project (an OpenAI-compatible server)."""
