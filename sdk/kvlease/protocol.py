@@ -397,13 +397,21 @@ class ControlInfo:
 
 @dataclass(frozen=True)
 class ControlRenewRequest:
-    """``POST /renew`` on D: ``{"request_ids": [...], "ttl": 300.0}``."""
+    """``POST /renew`` on D: ``{"request_ids": [...], "ttl": 300.0}``.
+
+    ``"claim": true`` (sent by a prefill node right before it reads a lease) also pins the lease
+    for ``ttl`` seconds: D will not release it early to make room.
+    """
 
     request_ids: tuple[str, ...]
     ttl: float
+    claim: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        return {"request_ids": list(self.request_ids), "ttl": self.ttl}
+        body: dict[str, Any] = {"request_ids": list(self.request_ids), "ttl": self.ttl}
+        if self.claim:
+            body["claim"] = True
+        return body
 
     @classmethod
     def from_json(cls, data: object) -> ControlRenewRequest:
@@ -411,7 +419,10 @@ class ControlRenewRequest:
         ttl = data.get("ttl") if isinstance(data, Mapping) else None
         if not _is_number(ttl) or not 0 < float(ttl) <= 86_400:
             raise ProtocolError("ttl must be a number of seconds in (0, 86400]")
-        return cls(ids, float(ttl))
+        claim = data.get("claim", False) if isinstance(data, Mapping) else False
+        if not isinstance(claim, bool):
+            raise ProtocolError("claim must be true or false")
+        return cls(ids, float(ttl), claim)
 
 
 @dataclass(frozen=True)

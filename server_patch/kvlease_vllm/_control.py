@@ -1,0 +1,317 @@
+"""The connector's control endpoint: ``GET /info``, ``POST /renew``, ``POST /release``, ``GET /metrics``.
+
+Opened by the scheduler-side connector (like NIXL's side channel) in a daemon thread of vLLM's
+engine-core process. Request threads never touch scheduler state directly: they update the lease
+table under a short lock (:class:`LeaseDesk`) and the scheduler thread takes the resulting deadline
+changes when it builds the next step's connector metadata, so the scheduler loop never waits on HTTP.
+
+Auth: ``Authorization: Bearer <secret>`` (compared in constant time). Without a configured secret
+``/info`` and ``/metrics`` stay readable and ``/renew``/``/release`` answer 403.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Final
+
+from kvlease.protocol import (
+    CONTROL_AUTH_HEADER,
+    CONTROL_INFO_PATH,
+    CONTROL_METRICS_PATH,
+    CONTROL_RELEASE_PATH,
+    CONTROL_RENEW_PATH,
+    ControlInfo,
+    ControlReleaseRequest,
+    ControlRenewRequest,
+    ControlRenewResponse,
+    ProtocolError,
+)
+from kvlease_vllm._leases import AddResult, LeaseTable
+from kvlease_vllm._metrics import CONTENT_TYPE_LATEST, ConnectorMetrics
+
+logger = logging.getLogger("kvlease_vllm.control")
+
+MAX_BODY_BYTES: Final = 1 << 20
+
+
+class LeaseDesk:
+    """A :class:`LeaseTable` shared by the scheduler thread and the control endpoint's threads."""
+
+    def __init__(
+        self,
+        table: LeaseTable,
+        metrics: ConnectorMetrics,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self._table = table
+        self._lock = threading.Lock()
+        self.metrics = metrics
+        self.clock = clock
+        metrics.capacity_blocks.set(table.capacity_blocks)
+
+    # control endpoint side
+    def renew(self, ids: tuple[str, ...], ttl: float, *, pin: bool = False) -> dict[str, float | None]:
+        out: dict[str, float | None] = {}
+        with self._lock:
+            now = self.clock()
+            for lid in ids:
+                deadline = self._table.renew(lid, ttl, now, pin=pin)
+                out[lid] = None if deadline is None else deadline - now
+        ok = sum(v is not None for v in out.values())
+        self.metrics.renewals.labels("ok").inc(ok)
+        self.metrics.renewals.labels("unknown").inc(len(out) - ok)
+        return out
+
+    def release(self, ids: tuple[str, ...], cause: str = "request") -> int:
+        with self._lock:
+            now = self.clock()
+            n = sum(self._table.release(lid, now) for lid in ids)
+            self._gauges()
+        self.metrics.releases.labels(cause).inc(n)
+        return n
+
+    # scheduler side
+    def add(self, lease_id: str, blocks: int, deadline: float) -> AddResult:
+        with self._lock:
+            result = self._table.add(lease_id, blocks, deadline, self.clock())
+            self._gauges()
+        if result.released:
+            self.metrics.releases.labels("cap").inc(len(result.released))
+        return result
+
+    def forget(self, lease_ids: set[str] | list[str]) -> None:
+        if not lease_ids:
+            return
+        with self._lock:
+            for lid in lease_ids:
+                self._table.forget(lid)
+            self._gauges()
+
+    def relieve(self, blocks_needed: int) -> list[str]:
+        with self._lock:
+            released = self._table.relieve(blocks_needed, self.clock())
+            self._gauges()
+        if released:
+            self.metrics.releases.labels("pressure").inc(len(released))
+        return released
+
+    def take_updates(self) -> dict[str, float]:
+        with self._lock:
+            self._table.sweep(self.clock())
+            return self._table.take_updates()
+
+    def releasing_blocks(self) -> int:
+        with self._lock:
+            return self._table.releasing_blocks
+
+    def snapshot(self) -> tuple[int, int]:
+        """(leases, retained blocks)."""
+        with self._lock:
+            return len(self._table), self._table.retained_blocks
+
+    def _gauges(self) -> None:
+        self.metrics.leases.set(len(self._table))
+        self.metrics.retained_blocks.set(self._table.retained_blocks)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        logger.debug("control %s - " + format, self.address_string(), *args)
+
+    def do_GET(self) -> None:
+        self._dispatch("GET")
+
+    def do_POST(self) -> None:
+        self._dispatch("POST")
+
+    def do_PUT(self) -> None:
+        self._dispatch("PUT")
+
+    def do_DELETE(self) -> None:
+        self._dispatch("DELETE")
+
+    def _dispatch(self, method: str) -> None:
+        path = self.path.split("?", 1)[0]
+        routes = {
+            CONTROL_INFO_PATH: ("GET", self._info, False),
+            CONTROL_METRICS_PATH: ("GET", self._metrics, False),
+            CONTROL_RENEW_PATH: ("POST", self._renew, True),
+            CONTROL_RELEASE_PATH: ("POST", self._release, True),
+        }
+        route = routes.get(path)
+        try:
+            if route is None:
+                return self._error(HTTPStatus.NOT_FOUND, f"no such path {path}")
+            want, fn, mutating = route
+            if method != want:
+                return self._error(HTTPStatus.METHOD_NOT_ALLOWED, f"{path} takes {want}")
+            if not self._authorized(mutating):
+                return None
+            body = self._body() if method == "POST" else None
+            if body is _TOO_LARGE:
+                return self._error(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "body too large")
+            return fn(body)
+        except ProtocolError as e:
+            return self._error(HTTPStatus.BAD_REQUEST, str(e))
+        except Exception:  # never let one request kill the endpoint
+            logger.exception("kvlease control endpoint error")
+            return self._error(HTTPStatus.INTERNAL_SERVER_ERROR, "internal error")
+
+    def _authorized(self, mutating: bool) -> bool:
+        secret = self.server.secret
+        if secret is None:
+            if mutating:
+                self._error(HTTPStatus.FORBIDDEN, "no control secret configured on this node")
+                return False
+            return True
+        got = self.headers.get(CONTROL_AUTH_HEADER, "")
+        scheme, _, token = got.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), secret.encode()):
+            self._error(
+                HTTPStatus.UNAUTHORIZED, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"}
+            )
+            return False
+        return True
+
+    def _body(self) -> object:
+        try:
+            length = int(self.headers.get("Content-Length", "0"))
+        except ValueError:
+            raise ProtocolError("bad Content-Length") from None
+        if length > MAX_BODY_BYTES:
+            return _TOO_LARGE
+        raw = self.rfile.read(length) if length > 0 else b""
+        try:
+            return json.loads(raw or b"null")
+        except (ValueError, UnicodeDecodeError):
+            raise ProtocolError("body is not valid JSON") from None
+
+    def _info(self, _body: object) -> None:
+        self._json(HTTPStatus.OK, self.server.info().to_json())
+
+    def _metrics(self, _body: object) -> None:
+        self._send(HTTPStatus.OK, self.server.desk.metrics.render(), CONTENT_TYPE_LATEST)
+
+    def _renew(self, body: object) -> None:
+        req = ControlRenewRequest.from_json(body)
+        ttl = min(req.ttl, self.server.max_ttl)
+        expires = self.server.desk.renew(req.request_ids, ttl, pin=req.claim)
+        self._json(HTTPStatus.OK, ControlRenewResponse(expires).to_json())
+
+    def _release(self, body: object) -> None:
+        req = ControlReleaseRequest.from_json(body)
+        self._json(HTTPStatus.OK, {"released": self.server.desk.release(req.request_ids)})
+
+    def _error(self, status: HTTPStatus, message: str, headers: dict[str, str] | None = None) -> None:
+        self._json(status, {"error": {"status": int(status), "message": message}}, headers)
+
+    def _json(self, status: HTTPStatus, obj: object, headers: dict[str, str] | None = None) -> None:
+        self._send(status, json.dumps(obj).encode(), "application/json", headers)
+
+    def _send(
+        self, status: HTTPStatus, data: bytes, ctype: str, headers: dict[str, str] | None = None
+    ) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(data)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(data)
+
+
+_TOO_LARGE: Final = object()
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(
+        self,
+        addr: tuple[str, int],
+        desk: LeaseDesk,
+        info: Callable[[], ControlInfo],
+        secret: str | None,
+        max_ttl: float,
+    ) -> None:
+        self.desk = desk
+        self.info = info
+        self.secret = secret
+        self.max_ttl = max_ttl
+        super().__init__(addr, _Handler)
+
+
+class ControlServer:
+    """The control endpoint, serving in a daemon thread until :meth:`stop`."""
+
+    def __init__(
+        self,
+        desk: LeaseDesk,
+        info: Callable[[], ControlInfo],
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        secret: str | None = None,
+        max_ttl: float = 3600.0,
+    ) -> None:
+        self._server = _Server((host, port), desk, info, secret, max_ttl)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever,
+            kwargs={"poll_interval": 0.5},
+            name="kvlease-control",
+            daemon=True,
+        )
+
+    @property
+    def port(self) -> int:
+        return int(self._server.server_address[1])
+
+    def url(self, advertise_host: str) -> str:
+        host = f"[{advertise_host}]" if ":" in advertise_host else advertise_host
+        return f"http://{host}:{self.port}"
+
+    def start(self) -> ControlServer:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+
+def claim(url: str, lease_id: str, hold_s: float, secret: str | None, timeout: float) -> float | None:
+    """Claim (renew and pin) ``lease_id`` at a decode node's control endpoint.
+
+    Returns seconds left on the lease, or ``None`` when D no longer holds it. Raises ``OSError`` /
+    ``ValueError`` when D does not answer properly (the caller recomputes).
+    """
+    body = ControlRenewRequest((lease_id,), hold_s, claim=True).to_json()
+    req = urllib.request.Request(
+        url.rstrip("/") + CONTROL_RENEW_PATH,
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
+    if secret:
+        req.add_header(CONTROL_AUTH_HEADER, f"Bearer {secret}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            data = json.loads(resp.read(MAX_BODY_BYTES))
+    except urllib.error.HTTPError as e:
+        raise OSError(f"control endpoint answered {e.code}") from None
+    left: float | None = ControlRenewResponse.from_json(data).expires_in.get(lease_id)
+    return left

@@ -1,0 +1,184 @@
+"""The lease table of a decode node: which finished requests' KV blocks are retained, until when.
+
+Sans-IO: every method takes ``now`` (the scheduler's ``time.perf_counter()``, the clock vLLM stamps
+``remote_blocks_expiry_time`` with) and returns decisions; nothing here sleeps, reads a clock or
+does IO, and nothing is thread-safe (the control endpoint wraps it in a lock).
+
+Rules:
+- Deadlines are monotone: a renewal never shortens a lease (``max(old, now + ttl)``).
+- A released or forgotten lease is gone: renewing it answers "unknown" (never resurrected).
+- A lease within ``renew_guard`` of its deadline is not renewed (the worker may free it any moment,
+  and a renewal that arrives after the free would make the router trust freed blocks).
+- Retained blocks are capped: adding past the cap releases the oldest-deadline leases first
+  (pinned leases, claimed by a prefill node that is about to read them, are never released early);
+  if that is not enough the new lease is not retained.
+- Every deadline change is queued for the workers (:meth:`take_updates`), which run the expiry
+  sweep; a release is a deadline of "now".
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Final
+
+#: Released leases whose free the worker never confirms are forgotten after this long.
+RELEASING_GRACE_S: Final = 120.0
+
+
+@dataclass
+class Lease:
+    lease_id: str
+    blocks: int
+    deadline: float
+    pinned_until: float = -math.inf
+
+    def pinned(self, now: float) -> bool:
+        return self.pinned_until > now
+
+
+@dataclass(frozen=True)
+class AddResult:
+    retained: bool
+    #: Other leases released early to make room (oldest deadline first).
+    released: tuple[str, ...] = ()
+
+
+@dataclass
+class LeaseTable:
+    capacity_blocks: int
+    max_ttl: float = 3600.0
+    renew_guard: float = 2.0
+    _leases: dict[str, Lease] = field(default_factory=dict)
+    #: lease id -> (blocks, released at): released, free not yet confirmed by the workers.
+    _releasing: dict[str, tuple[int, float]] = field(default_factory=dict)
+    _updates: dict[str, float] = field(default_factory=dict)
+    _retained: int = 0
+
+    def __post_init__(self) -> None:
+        if self.capacity_blocks < 0:
+            raise ValueError("capacity_blocks must be >= 0")
+
+    # ---------------------------------------------------------------- queries
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def __contains__(self, lease_id: object) -> bool:
+        return lease_id in self._leases
+
+    def __iter__(self) -> Iterator[Lease]:
+        return iter(list(self._leases.values()))
+
+    @property
+    def retained_blocks(self) -> int:
+        return self._retained
+
+    @property
+    def releasing_blocks(self) -> int:
+        return sum(b for b, _ in self._releasing.values())
+
+    def get(self, lease_id: str) -> Lease | None:
+        return self._leases.get(lease_id)
+
+    def expires_in(self, lease_id: str, now: float) -> float | None:
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.deadline <= now:
+            return None
+        return lease.deadline - now
+
+    # -------------------------------------------------------------- mutations
+    def add(self, lease_id: str, blocks: int, deadline: float, now: float) -> AddResult:
+        """Retain ``blocks`` for ``lease_id`` until ``deadline`` (a request finished on D)."""
+        if blocks < 0:
+            raise ValueError("blocks must be >= 0")
+        if lease_id in self._leases or lease_id in self._releasing:
+            raise ValueError(f"lease {lease_id!r} already exists")
+        need = self._retained + blocks - self.capacity_blocks
+        released: list[str] = []
+        if need > 0:
+            if blocks > self.capacity_blocks or self._releasable_blocks(now) < need:
+                return AddResult(False)
+            released = self._release_oldest(need, now)
+        self._leases[lease_id] = Lease(lease_id, blocks, deadline)
+        self._retained += blocks
+        return AddResult(True, tuple(released))
+
+    def renew(self, lease_id: str, ttl: float, now: float, *, pin: bool = False) -> float | None:
+        """Extend to ``now + ttl`` (never shorter); return the deadline, or None if unknown.
+
+        ``pin`` (a prefill node's claim before its read) also protects the lease from early release
+        for ``ttl`` seconds.
+        """
+        lease = self._leases.get(lease_id)
+        if lease is None or not ttl > 0 or now + self.renew_guard >= lease.deadline:
+            return None
+        ttl = min(ttl, self.max_ttl)
+        new = max(lease.deadline, now + ttl)
+        if new != lease.deadline:
+            lease.deadline = new
+            self._updates[lease_id] = new
+        if pin:
+            lease.pinned_until = max(lease.pinned_until, now + ttl)
+        return lease.deadline
+
+    def release(self, lease_id: str, now: float) -> bool:
+        """Free the lease's blocks now (explicit release or early release); False if unknown."""
+        lease = self._leases.pop(lease_id, None)
+        if lease is None:
+            return False
+        self._retained -= lease.blocks
+        self._releasing[lease_id] = (lease.blocks, now)
+        self._updates[lease_id] = now
+        return True
+
+    def forget(self, lease_id: str) -> bool:
+        """The workers freed the blocks (read by a prefill node, expired or released)."""
+        self._updates.pop(lease_id, None)
+        if self._releasing.pop(lease_id, None) is not None:
+            return True
+        lease = self._leases.pop(lease_id, None)
+        if lease is None:
+            return False
+        self._retained -= lease.blocks
+        return True
+
+    def relieve(self, blocks_needed: int, now: float) -> list[str]:
+        """Release unpinned leases, oldest deadline first, until ``blocks_needed`` are freed."""
+        if blocks_needed <= 0:
+            return []
+        return self._release_oldest(blocks_needed, now)
+
+    def sweep(self, now: float) -> list[str]:
+        """Drop entries the workers should long have freed (bounded memory); return their ids."""
+        gone = [lid for lid, (_, at) in self._releasing.items() if now - at > RELEASING_GRACE_S]
+        for lid in gone:
+            del self._releasing[lid]
+        stale = [lid for lid, lease in self._leases.items() if now - lease.deadline > RELEASING_GRACE_S]
+        for lid in stale:
+            self.forget(lid)
+        return gone + stale
+
+    def take_updates(self) -> dict[str, float]:
+        """Deadline changes since the last call (for the workers' expiry sweep)."""
+        out, self._updates = self._updates, {}
+        return out
+
+    # --------------------------------------------------------------- internal
+    def _releasable_blocks(self, now: float) -> int:
+        return sum(lease.blocks for lease in self._leases.values() if not lease.pinned(now))
+
+    def _release_oldest(self, need: int, now: float) -> list[str]:
+        order = sorted(
+            (lease for lease in self._leases.values() if not lease.pinned(now)),
+            key=lambda lease: (lease.deadline, lease.lease_id),
+        )
+        released: list[str] = []
+        freed = 0
+        for lease in order:
+            if freed >= need:
+                break
+            self.release(lease.lease_id, now)
+            freed += lease.blocks
+            released.append(lease.lease_id)
+        return released

@@ -1,0 +1,337 @@
+"""``KVLeaseConnector``: vLLM's pull ``NixlConnector`` with renewable leases and verified pulls.
+
+Load it with ``"kv_connector": "KVLeaseConnector", "kv_connector_module_path": "kvlease_vllm.connector"``.
+Only the scheduler side changes; the workers are upstream's (renewals and releases reach their
+expiry sweep as new deadlines in upstream's own ``reqs_to_send`` metadata).
+
+Overridden (signatures pinned by a test against the installed vLLM):
+- connector: ``__init__``, ``bind_gpu_block_pool``, ``has_pending_block_frees``;
+- scheduler: ``get_num_new_matched_tokens`` (P: verify, decide, claim, trim), ``request_finished``
+  (D: lease + ``kvlease`` object), ``build_connector_meta`` (lease deadlines to workers, pressure
+  relief), ``update_connector_output`` (observations, freed leases), ``shutdown``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvlease import __version__ as KVLEASE_VERSION
+from kvlease.protocol import KV, ControlInfo, Role
+from kvlease_vllm import _control
+from kvlease_vllm._compat import (
+    VLLM_VERSION,
+    KVConnectorRole,
+    NixlConnector,
+    NixlPullConnectorScheduler,
+    init_logger,
+)
+from kvlease_vllm._config import KVLeaseConfig, normalize_extra_config, recompute_policy
+from kvlease_vllm._control import ControlServer, LeaseDesk
+from kvlease_vllm._cost import CostModel
+from kvlease_vllm._leases import LeaseTable
+from kvlease_vllm._metrics import ConnectorMetrics
+from kvlease_vllm._verify import (
+    HandleRejected,
+    Reason,
+    RemoteHandle,
+    handle_ext,
+    parse_handle,
+    strip_remote,
+    trim_params,
+    verified_blocks,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+__all__ = ["KVLeaseConnector"]
+
+_PROCESSED = "_remote_blocks_processed"  # upstream's marker: the handle was used once
+
+
+@dataclass
+class _Pull:
+    """P side: one request's handle, from the decision to the completed read."""
+
+    handle: RemoteHandle | None
+    n_blocks: int = 0
+    claim: Future[float | None] | None = None
+    started: float | None = None  # when (gain, True) was first returned
+    tokens: int = 0
+
+
+class KVLeaseScheduler(NixlPullConnectorScheduler):
+    def __init__(
+        self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig, cfg: KVLeaseConfig
+    ) -> None:
+        super().__init__(vllm_config, engine_id, kv_cache_config)
+        self.cfg = cfg
+        self.secret = cfg.secret()
+        self.block_pool: BlockPool | None = None
+        self.metrics = ConnectorMetrics()
+        cap = int(kv_cache_config.num_blocks * cfg.max_retained_fraction)
+        self.desk = LeaseDesk(
+            LeaseTable(cap, max_ttl=cfg.max_ttl_s, renew_guard=cfg.renew_guard_s), self.metrics
+        )
+        self.cost = CostModel(
+            bytes_per_token=_bytes_per_token(kv_cache_config, self.block_size),
+            default_bandwidth_bps=cfg.default_pull_bandwidth_bps,
+            default_prefill_tokens_per_s=cfg.default_prefill_tokens_per_s,
+            fixed_latency_s=cfg.pull_fixed_latency_s,
+        )
+        self._pulls: dict[str, _Pull] = {}
+        self._prefill_t0: dict[str, tuple[float, int]] = {}
+        self._claims = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvlease-claim")
+        self.control = ControlServer(
+            self.desk,
+            self._info,
+            host=cfg.control_host,
+            port=cfg.control_port,
+            secret=self.secret,
+            max_ttl=cfg.max_ttl_s,
+        ).start()
+        advertise = cfg.control_advertise_host or (
+            self.side_channel_host if cfg.control_host in ("0.0.0.0", "::", "") else cfg.control_host
+        )
+        self.control_url = self.control.url(advertise)
+        logger.info(
+            "kvlease control endpoint on %s (auth %s); lease cap %d blocks",
+            self.control_url,
+            "on" if self.secret else "off: renew/release refused",
+            cap,
+        )
+
+    def _info(self) -> ControlInfo:
+        kv_role = self.vllm_config.kv_transfer_config.kv_role  # type: ignore[union-attr]
+        role = {"kv_producer": Role.PREFILL, "kv_consumer": Role.DECODE}.get(kv_role, Role.BOTH)
+        model = self.vllm_config.model_config
+        return ControlInfo(
+            role=role,
+            engine_id=self.engine_id,
+            vllm_version=VLLM_VERSION,
+            kvlease_version=KVLEASE_VERSION,
+            bidirectional_kv_xfer=bool(self.is_bidirectional_kv_xfer_enabled),
+            ttl_s=float(self.decoder_kv_blocks_ttl),
+            recompute_threshold=int(self.kv_recompute_threshold),
+            block_size=int(self.block_size),
+            model=(model.served_model_name if model is not None else None),  # type: ignore[arg-type]
+        )
+
+    # ------------------------------------------------------------------ P side
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if not params or not params.get(KV.DO_REMOTE_DECODE):
+            return super().get_num_new_matched_tokens(request, num_computed_tokens)
+        rid = request.request_id
+        self._prefill_t0.setdefault(
+            rid, (time.perf_counter(), request.num_prompt_tokens - num_computed_tokens)
+        )
+        if not params.get(KV.REMOTE_BLOCK_IDS) or params.get(_PROCESSED):
+            return 0, False
+        pull = self._pulls.get(rid)
+        if pull is None:
+            pull = self._pulls[rid] = self._plan(request, params, num_computed_tokens)
+            if pull.handle is None:
+                return 0, False
+        assert pull.handle is not None
+        if pull.claim is not None:
+            if not pull.claim.done():
+                return None, False  # type: ignore[return-value]  # vLLM: "ask again next step"
+            left = _claim_result(pull.claim)
+            pull.claim = None
+            if not isinstance(left, float) or left < 1.0:
+                return self._decline(
+                    request, params, Reason.CLAIM_FAILED if left is _FAILED else Reason.LEASE_GONE, str(left)
+                )
+            # pinned on D for claim_hold_s: upstream's stale-deadline check must not veto the read
+            params[KV.REMOTE_BLOCKS_EXPIRY_TIME] = None
+        gain = pull.n_blocks * self.block_size - num_computed_tokens
+        if gain <= 0:
+            return self._decline(request, params, Reason.LOCAL_HIT, "P's prefix cache covers it")
+        if pull.started is None:
+            trim_params(params, pull.handle, pull.n_blocks)
+            pull.started, pull.tokens = time.perf_counter(), gain
+            self.metrics.pull_decisions.labels(Reason.PULL.value).inc()
+            self.metrics.pulled_tokens.inc(gain)
+            logger.info("kvlease %s: pulling %d verified tokens from %s", rid, gain, pull.handle.engine_id)
+        return gain, True
+
+    def _plan(self, request: Request, params: dict[str, Any], num_computed_tokens: int) -> _Pull:
+        try:
+            handle = parse_handle(
+                params,
+                num_groups=len(self.kv_cache_config.transfer_groups),
+                host_allowed=self.cfg.host_allowed,
+                max_parallel=self.cfg.max_remote_parallel,
+            )
+            n = verified_blocks(handle, request.prompt_token_ids or [], request.cache_salt, self.block_size)
+        except HandleRejected as e:
+            self._decline(request, params, e.reason, e.detail, warn=e.reason is not Reason.UNVERIFIABLE)
+            return _Pull(None)
+        verified = n * self.block_size
+        self.metrics.verified_tokens.inc(verified)
+        self.metrics.trimmed_tokens.inc(max(handle.num_tokens - verified, 0))
+        if n == 0:
+            self._decline(request, params, Reason.MISMATCH, f"0 of {len(handle.ext.hashes)} blocks match")
+            return _Pull(None)
+        decision = self.cost.decide(verified - num_computed_tokens, self.kv_recompute_threshold)
+        if not decision.pull:
+            self._decline(request, params, decision.reason, decision.describe())
+            return _Pull(None)
+        logger.debug("kvlease %s: %s", request.request_id, decision.describe())
+        pull = _Pull(handle, n)
+        if self.cfg.claim and handle.ext.control:
+            pull.claim = self._claims.submit(
+                _control.claim,
+                handle.ext.control,
+                handle.request_id,
+                self.cfg.claim_hold_s,
+                self.secret,
+                self.cfg.claim_timeout_s,
+            )
+        return pull
+
+    def _decline(
+        self, request: Request, params: dict[str, Any], reason: Reason, detail: str, *, warn: bool = False
+    ) -> tuple[int, bool]:
+        strip_remote(params)  # recompute; never contact the decode node for this handle
+        self._pulls[request.request_id] = _Pull(None)
+        self.metrics.pull_decisions.labels(reason.value).inc()
+        (logger.warning if warn else logger.info)(
+            "kvlease %s: recompute (%s): %s", request.request_id, reason.value, detail
+        )
+        return 0, False
+
+    # ------------------------------------------------------------------ D side
+    def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        pull = self._pulls.pop(rid, None)
+        t0 = self._prefill_t0.pop(rid, None)
+        if t0 is not None and (pull is None or pull.started is None):
+            self.cost.observe_prefill(t0[1], time.perf_counter() - t0[0])
+        delay, out = super().request_finished(request, block_ids)
+        if not (delay and out and out.get(KV.DO_REMOTE_DECODE) and self.is_bidirectional_kv_xfer_enabled):
+            return delay, out
+        deadline = out.get(KV.REMOTE_BLOCKS_EXPIRY_TIME)
+        blocks = sum(len(g) for g in out.get(KV.REMOTE_BLOCK_IDS) or ())
+        if not isinstance(deadline, float):
+            return delay, out
+        result = self.desk.add(rid, blocks, deadline)
+        if not result.retained:
+            self._reqs_need_send[rid] = time.perf_counter()  # free at the next worker sweep
+            self.metrics.releases.labels("not_retained").inc()
+            logger.info("kvlease %s: %d blocks over the retention cap; not retained", rid, blocks)
+            return delay, None
+        ext = handle_ext(
+            token_ids=request.all_token_ids,
+            num_tokens=int(out.get(KV.REMOTE_NUM_TOKENS) or 0),
+            block_size=self.block_size,
+            salt=request.cache_salt,
+            lease_id=rid,
+            engine_id=self.engine_id,
+            control=self.control_url,
+        )
+        out[KV.KVLEASE] = ext.to_json()
+        return delay, out
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
+        self._relieve_pressure()
+        self._reqs_need_send.update(self.desk.take_updates())
+        return super().build_connector_meta(scheduler_output)
+
+    def _relieve_pressure(self, emergency: bool = False) -> list[str]:
+        leases, _ = self.desk.snapshot()
+        if not leases or self.block_pool is None:
+            return []
+        total = self.kv_cache_config.num_blocks
+        target = total if emergency else math.ceil(self.cfg.min_free_fraction * total)
+        short = target - self.block_pool.get_num_free_blocks() - self.desk.releasing_blocks()
+        released = self.desk.relieve(short) if short > 0 else []
+        if released:
+            logger.info("kvlease: KV cache pressure, released %d leases early", len(released))
+        return released
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        super().update_connector_output(connector_output)
+        self.desk.forget(connector_output.finished_sending or set())
+        failed = connector_output.failed_recving or set()
+        now = time.perf_counter()
+        for rid in connector_output.finished_recving or ():
+            pull = self._pulls.get(rid)
+            if pull is None or pull.started is None:
+                continue
+            if rid in failed:
+                self.metrics.pull_decisions.labels(Reason.FAILED.value).inc()
+                logger.warning("kvlease %s: pull failed; recomputing", rid)
+            else:
+                self.cost.observe_pull(pull.tokens, now - pull.started)
+            pull.started = -1.0  # observed once
+
+    def shutdown(self) -> None:
+        self.control.stop()
+        self._claims.shutdown(wait=False, cancel_futures=True)
+        super().shutdown()
+
+
+class KVLeaseConnector(NixlConnector):  # type: ignore[misc,valid-type]
+    """``NixlConnector`` (pull) with kvlease leases, verified pulls and a control endpoint."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        ktc = vllm_config.kv_transfer_config
+        assert ktc is not None
+        cfg, warnings = normalize_extra_config(ktc.kv_connector_extra_config)
+        for w in warnings:
+            logger.warning("kvlease: %s", w)
+        policy, warning = recompute_policy(ktc.kv_load_failure_policy)
+        if warning and role == KVConnectorRole.SCHEDULER:
+            logger.warning("kvlease: %s", warning)
+        ktc.kv_load_failure_policy = policy
+        super().__init__(vllm_config, role, kv_cache_config)
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = KVLeaseScheduler(vllm_config, self.engine_id, kv_cache_config, cfg)
+
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        super().bind_gpu_block_pool(gpu_block_pool)
+        if isinstance(self.connector_scheduler, KVLeaseScheduler):
+            self.connector_scheduler.block_pool = gpu_block_pool
+
+    def has_pending_block_frees(self) -> bool:
+        """Allocation failed: release leases now rather than let the scheduler preempt a request."""
+        sched = self.connector_scheduler
+        if not isinstance(sched, KVLeaseScheduler):
+            return False
+        # Released leases are freed by the workers' sweep in this very step, so the request that
+        # could not allocate waits one step instead of evicting a running request.
+        return bool(sched._relieve_pressure(emergency=True))
+
+
+_FAILED: Any = object()
+
+
+def _claim_result(fut: Future[float | None]) -> Any:
+    try:
+        return fut.result()
+    except Exception as e:
+        logger.warning("kvlease: claim at the decode node failed: %s", e)
+        return _FAILED
+
+
+def _bytes_per_token(kv_cache_config: KVCacheConfig, block_size: int) -> float:
+    try:
+        total = sum(t.size for t in kv_cache_config.kv_cache_tensors)
+        return max(total / max(kv_cache_config.num_blocks, 1) / max(block_size, 1), 1.0)
+    except Exception:  # layouts we do not know: a conservative guess (bytes per token, bf16 7B)
+        return 131072.0

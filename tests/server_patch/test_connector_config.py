@@ -1,0 +1,170 @@
+"""Config validation of the kvlease connector (pure, no vLLM)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvlease_vllm._config import (
+    KVLEASE_KEYS,
+    ConfigError,
+    KVLeaseConfig,
+    UnsupportedVLLMVersion,
+    check_vllm_version,
+    normalize_extra_config,
+    parse_kvlease_config,
+    recompute_policy,
+)
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.0+cpu", "0.32.7.dev3", "0.32"])
+def test_supported_versions(version: str) -> None:
+    check_vllm_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.31.9", "0.33.0", "1.0.0", "", "dev", "0.10.0"])
+def test_unsupported_versions_fail_clearly(version: str) -> None:
+    with pytest.raises(UnsupportedVLLMVersion, match=r"vllm>=0\.32,<0\.33"):
+        check_vllm_version(version)
+
+
+def test_defaults() -> None:
+    assert parse_kvlease_config(None) == KVLeaseConfig()
+    assert parse_kvlease_config({}) == KVLeaseConfig()
+
+
+@pytest.mark.parametrize(
+    ("raw", "field", "value"),
+    [
+        ({"control_port": 8123}, "control_port", 8123),
+        ({"control_host": "0.0.0.0"}, "control_host", "0.0.0.0"),
+        ({"control_secret": "s3"}, "control_secret", "s3"),
+        ({"max_retained_fraction": 0.25}, "max_retained_fraction", 0.25),
+        ({"max_retained_fraction": 0}, "max_retained_fraction", 0.0),
+        ({"min_free_fraction": 0.2}, "min_free_fraction", 0.2),
+        ({"claim": False}, "claim", False),
+        ({"claim_hold_s": 5}, "claim_hold_s", 5.0),
+        ({"allowed_remote_hosts": ["10.0.0.2"]}, "allowed_remote_hosts", ("10.0.0.2",)),
+        ({"allowed_remote_hosts": None}, "allowed_remote_hosts", None),
+        ({"max_remote_parallel": 8}, "max_remote_parallel", 8),
+        ({"default_prefill_tokens_per_s": 12000}, "default_prefill_tokens_per_s", 12000.0),
+    ],
+)
+def test_valid_keys(raw: dict[str, Any], field: str, value: object) -> None:
+    assert getattr(parse_kvlease_config(raw), field) == value
+
+
+@pytest.mark.parametrize(
+    ("raw", "names"),
+    [
+        ({"ttl": 5}, "kvlease.ttl"),
+        ({"control_prot": 1}, "kvlease.control_prot"),
+        ({"control_port": -1}, "kvlease.control_port"),
+        ({"control_port": 70000}, "kvlease.control_port"),
+        ({"control_port": "80"}, "kvlease.control_port"),
+        ({"control_port": True}, "kvlease.control_port"),
+        ({"max_retained_fraction": 1.5}, "kvlease.max_retained_fraction"),
+        ({"max_retained_fraction": float("nan")}, "kvlease.max_retained_fraction"),
+        ({"claim_timeout_s": 0}, "kvlease.claim_timeout_s"),
+        ({"claim": "yes"}, "kvlease.claim"),
+        ({"control_host": ""}, "kvlease.control_host"),
+        ({"control_host": None}, "kvlease.control_host"),
+        ({"allowed_remote_hosts": "127.0.0.1"}, "kvlease.allowed_remote_hosts"),
+        ({"max_remote_parallel": 0}, "kvlease.max_remote_parallel"),
+    ],
+)
+def test_invalid_keys_name_the_key(raw: dict[str, Any], names: str) -> None:
+    with pytest.raises(ConfigError, match=names.replace(".", r"\.")):
+        parse_kvlease_config(raw)
+
+
+def test_kvlease_must_be_an_object() -> None:
+    with pytest.raises(ConfigError, match="must be an object"):
+        parse_kvlease_config(["control_port"])
+
+
+def test_unknown_key_error_lists_accepted_keys() -> None:
+    with pytest.raises(ConfigError) as e:
+        parse_kvlease_config({"bogus": 1})
+    for key in KVLEASE_KEYS:
+        assert key in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("extra", "threshold", "n_warnings"),
+    [
+        ({}, None, 0),
+        ({"kv_recompute_threshold": 32}, 32, 0),
+        ({"remote_pull_threshold": 128}, 128, 1),
+        ({"kvlease": {"remote_pull_threshold": 96}}, 96, 1),
+        ({"remote_pull_threshold": 64, "kv_recompute_threshold": 64}, 64, 1),
+    ],
+)
+def test_deprecated_threshold_is_mapped(
+    extra: dict[str, Any], threshold: int | None, n_warnings: int
+) -> None:
+    cfg, warnings = normalize_extra_config(extra)
+    assert isinstance(cfg, KVLeaseConfig)
+    assert extra.get("kv_recompute_threshold") == threshold
+    assert "remote_pull_threshold" not in extra
+    assert "remote_pull_threshold" not in extra.get("kvlease", {})
+    assert len(warnings) == n_warnings
+    assert all("deprecated" in w and "kv_recompute_threshold" in w for w in warnings)
+
+
+@pytest.mark.parametrize(
+    ("extra", "key"),
+    [
+        ({"remote_pull_threshold": 10, "kv_recompute_threshold": 20}, "remote_pull_threshold"),
+        ({"kv_recompute_threshold": -1}, "kv_recompute_threshold"),
+        ({"kv_recompute_threshold": "64"}, "kv_recompute_threshold"),
+        ({"bidirectional_kv_xfer": "true"}, "bidirectional_kv_xfer"),
+        ({"decoder_kv_blocks_ttl": 0}, "decoder_kv_blocks_ttl"),
+        ({"decoder_kv_blocks_ttl": "20"}, "decoder_kv_blocks_ttl"),
+        ({"kvlease": {"nope": 1}}, "kvlease.nope"),
+    ],
+)
+def test_invalid_extra_config(extra: dict[str, Any], key: str) -> None:
+    with pytest.raises(ConfigError, match=key):
+        normalize_extra_config(extra)
+
+
+@pytest.mark.parametrize(
+    ("env", "configured", "expected"),
+    [
+        ({}, None, None),
+        ({"KVLEASE_CONTROL_SECRET": "from-env"}, None, "from-env"),
+        ({"KVLEASE_CONTROL_SECRET": "from-env"}, "from-config", "from-config"),
+        ({"KVLEASE_CONTROL_SECRET": ""}, None, None),
+    ],
+)
+def test_secret_sources(env: dict[str, str], configured: str | None, expected: str | None) -> None:
+    assert KVLeaseConfig(control_secret=configured).secret(env) == expected
+
+
+@pytest.mark.parametrize(
+    ("allowed", "host", "ok"),
+    [
+        (None, "127.0.0.1", True),
+        (None, "localhost", True),
+        (None, "10.1.2.3", True),
+        (None, "192.168.0.9", True),
+        (None, "::1", True),
+        (None, "8.8.8.8", False),
+        (None, "0.0.0.0", False),
+        (None, "169.254.169.254", False),
+        (None, "evil.example.com", False),
+        (("d1.internal",), "d1.internal", True),
+        (("d1.internal",), "127.0.0.1", False),
+    ],
+)
+def test_host_allowed(allowed: tuple[str, ...] | None, host: str, ok: bool) -> None:
+    assert KVLeaseConfig(allowed_remote_hosts=allowed).host_allowed(host) is ok
+
+
+@pytest.mark.parametrize(("current", "warns"), [("recompute", False), ("fail", True)])
+def test_failure_policy_forced_to_recompute(current: str, warns: bool) -> None:
+    policy, warning = recompute_policy(current)
+    assert policy == "recompute"
+    assert (warning is not None) is warns

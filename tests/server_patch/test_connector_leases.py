@@ -1,0 +1,158 @@
+"""The decode node's lease table (sans-IO, table-driven)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvlease_vllm._leases import RELEASING_GRACE_S, LeaseTable
+
+
+def table(cap: int = 100, guard: float = 2.0, max_ttl: float = 3600.0) -> LeaseTable:
+    return LeaseTable(cap, max_ttl=max_ttl, renew_guard=guard)
+
+
+# (deadline, now, ttl) -> expected new deadline (None: refused)
+@pytest.mark.parametrize(
+    ("deadline", "now", "ttl", "expected"),
+    [
+        (120.0, 100.0, 60.0, 160.0),  # extends
+        (200.0, 100.0, 60.0, 200.0),  # never shortens
+        (101.0, 100.0, 60.0, None),  # inside the renew guard: the worker may free it any moment
+        (100.0, 100.0, 60.0, None),  # at the deadline
+        (90.0, 100.0, 60.0, None),  # past the deadline
+        (120.0, 100.0, 0.0, None),  # ttl must be positive
+        (120.0, 100.0, 99999.0, 3700.0),  # capped by max_ttl
+    ],
+)
+def test_renew(deadline: float, now: float, ttl: float, expected: float | None) -> None:
+    t = table()
+    t.add("a", 4, deadline, now=0.0)
+    assert t.renew("a", ttl, now) == expected
+    updates = t.take_updates()
+    if expected is not None and expected != deadline:
+        assert updates == {"a": expected}
+    else:
+        assert updates == {}
+
+
+def test_deadlines_are_monotone_over_many_renewals() -> None:
+    t = table()
+    t.add("a", 1, 20.0, now=0.0)
+    seen = [20.0]
+    for now, ttl in [(5, 20), (6, 1), (10, 30), (12, 5), (30, 20), (39, 3)]:
+        got = t.renew("a", ttl, float(now))
+        assert got is not None
+        seen.append(got)
+    assert seen == sorted(seen)
+
+
+def test_unknown_and_released_leases_are_never_renewed() -> None:
+    t = table()
+    assert t.renew("nope", 10, 0.0) is None
+    t.add("a", 3, 50.0, now=0.0)
+    assert t.release("a", now=1.0)
+    assert t.renew("a", 10, 2.0) is None
+    assert not t.release("a", now=2.0)
+    assert t.take_updates() == {"a": 1.0}  # release = a deadline of "now" for the workers
+    assert t.retained_blocks == 0
+    assert t.releasing_blocks == 3
+    assert t.forget("a")  # the workers confirmed the free
+    assert t.releasing_blocks == 0
+    assert t.renew("a", 10, 3.0) is None
+
+
+def test_forget_after_read_drops_lease_and_pending_update() -> None:
+    t = table()
+    t.add("a", 5, 50.0, now=0.0)
+    t.renew("a", 100, 1.0)
+    assert t.forget("a")
+    assert t.take_updates() == {}
+    assert t.retained_blocks == 0 and len(t) == 0
+    assert not t.forget("a")
+
+
+@pytest.mark.parametrize(
+    ("existing", "new_blocks", "retained", "released"),
+    [
+        # existing: (id, blocks, deadline, pinned_until)
+        ([("a", 40, 30.0, None), ("b", 40, 20.0, None)], 20, True, ()),  # fits exactly
+        ([("a", 40, 30.0, None), ("b", 40, 20.0, None)], 30, True, ("b",)),  # oldest deadline first
+        ([("a", 40, 10.0, None), ("b", 40, 20.0, None)], 30, True, ("a",)),
+        ([("a", 40, 30.0, None), ("b", 40, 20.0, None)], 70, True, ("b", "a")),
+        ([("a", 40, 30.0, None), ("b", 40, 20.0, 999.0)], 30, True, ("a",)),  # pinned: never early
+        ([("a", 40, 30.0, 999.0), ("b", 40, 20.0, 999.0)], 30, False, ()),  # all pinned: not retained
+        ([], 101, False, ()),  # larger than the cap alone
+        ([], 100, True, ()),
+    ],
+)
+def test_cap_releases_oldest_deadline_first(
+    existing: list[tuple[str, int, float, float | None]],
+    new_blocks: int,
+    retained: bool,
+    released: tuple[str, ...],
+) -> None:
+    t = table(cap=100)
+    for lid, blocks, deadline, pinned in existing:
+        t.add(lid, blocks, deadline, now=0.0)
+        if pinned is not None:
+            t.renew(lid, pinned, now=0.0, pin=True)
+    t.take_updates()
+    before = t.retained_blocks
+    result = t.add("new", new_blocks, 50.0, now=1.0)
+    assert result.retained is retained
+    assert result.released == released
+    assert t.retained_blocks <= t.capacity_blocks
+    if retained:
+        assert "new" in t
+    else:
+        assert "new" not in t and t.retained_blocks == before
+    assert set(t.take_updates()) == set(released)
+
+
+@pytest.mark.parametrize(
+    ("need", "released"),
+    [(0, []), (1, ["c"]), (10, ["c"]), (11, ["c", "a"]), (25, ["c", "a"]), (1000, ["c", "a"])],
+)
+def test_relieve_order_skips_pinned(need: int, released: list[str]) -> None:
+    t = table(cap=1000)
+    t.add("a", 10, 40.0, now=0.0)
+    t.add("b", 10, 30.0, now=0.0)
+    t.add("c", 10, 35.0, now=0.0)
+    t.renew("b", 100.0, now=0.0, pin=True)  # b: deadline 100, pinned until 100
+    assert t.relieve(need, now=1.0) == released
+
+
+def test_pin_expires() -> None:
+    t = table(cap=1000)
+    t.add("a", 10, 500.0, now=0.0)
+    t.renew("a", 5.0, now=0.0, pin=True)
+    assert t.relieve(10, now=4.0) == []
+    assert t.relieve(10, now=6.0) == ["a"]
+
+
+def test_duplicate_add_and_negative_blocks_are_errors() -> None:
+    t = table()
+    t.add("a", 1, 5.0, now=0.0)
+    with pytest.raises(ValueError):
+        t.add("a", 1, 5.0, now=0.0)
+    with pytest.raises(ValueError):
+        t.add("b", -1, 5.0, now=0.0)
+
+
+def test_sweep_bounds_memory() -> None:
+    t = table()
+    t.add("old", 2, 10.0, now=0.0)
+    t.add("live", 2, 1000.0, now=0.0)
+    t.add("rel", 2, 1000.0, now=0.0)
+    t.release("rel", now=1.0)
+    assert sorted(t.sweep(now=10.0 + RELEASING_GRACE_S + 1)) == ["old", "rel"]
+    assert list(lease.lease_id for lease in t) == ["live"]
+    assert t.retained_blocks == 2 and t.releasing_blocks == 0
+
+
+def test_expires_in() -> None:
+    t = table()
+    t.add("a", 1, 30.0, now=0.0)
+    assert t.expires_in("a", 10.0) == 20.0
+    assert t.expires_in("a", 31.0) is None
+    assert t.expires_in("zz", 0.0) is None

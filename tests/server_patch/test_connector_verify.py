@@ -1,0 +1,200 @@
+"""Prefix verification and handle checks of the kvlease connector (pure, no vLLM)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from kvlease.protocol import KV, block_hashes
+from kvlease_vllm._config import KVLeaseConfig
+from kvlease_vllm._verify import (
+    HandleRejected,
+    Reason,
+    handle_ext,
+    parse_handle,
+    strip_remote,
+    trim_params,
+    verified_blocks,
+)
+
+BS = 16
+D_TOKENS = list(range(1000, 1000 + 10 * BS + 5))  # 10 full blocks + a partial one (D's prompt + output)
+
+
+def d_params(tokens: list[int] = D_TOKENS, salt: str | None = None, **over: Any) -> dict[str, Any]:
+    ext = handle_ext(
+        token_ids=tokens,
+        num_tokens=len(tokens),
+        block_size=BS,
+        salt=salt,
+        lease_id="d-req-1",
+        engine_id="engine-d",
+        control="http://127.0.0.1:9000",
+    )
+    n_blocks = -(-len(tokens) // BS)
+    params: dict[str, Any] = {
+        KV.DO_REMOTE_DECODE: True,
+        KV.DO_REMOTE_PREFILL: False,
+        KV.REMOTE_BLOCK_IDS: [list(range(100, 100 + n_blocks))],
+        KV.REMOTE_ENGINE_ID: "engine-d",
+        KV.REMOTE_REQUEST_ID: "d-req-1",
+        KV.REMOTE_HOST: "127.0.0.1",
+        KV.REMOTE_PORT: 5601,
+        KV.REMOTE_NUM_TOKENS: len(tokens),
+        KV.REMOTE_BLOCKS_EXPIRY_TIME: 12345.6,
+        KV.TP_SIZE: 1,
+        KV.KVLEASE: ext.to_json(),
+    }
+    params.update(over)
+    return params
+
+
+def parse(params: dict[str, Any], allowed: tuple[str, ...] | None = None) -> Any:
+    cfg = KVLeaseConfig(allowed_remote_hosts=allowed)
+    return parse_handle(
+        params, num_groups=1, host_allowed=cfg.host_allowed, max_parallel=cfg.max_remote_parallel
+    )
+
+
+def edit(tokens: list[int], at: int, value: int = 7) -> list[int]:
+    out = list(tokens)
+    out[at] = value
+    return out
+
+
+NEW_TURN = [5, 6, 7, 8] * 20  # the next user message (80 tokens)
+
+
+@pytest.mark.parametrize(
+    ("name", "prompt", "expected_blocks"),
+    [
+        ("exact continuation", D_TOKENS + NEW_TURN, 10),
+        ("exact, prompt ends inside D's partial block", D_TOKENS[: 10 * BS + 3] + NEW_TURN, 10),
+        ("stripped reasoning at token 100", D_TOKENS[:100] + D_TOKENS[120:] + NEW_TURN, 100 // BS),
+        ("earlier message edited at token 37", edit(D_TOKENS, 37) + NEW_TURN, 2),
+        ("first token edited", edit(D_TOKENS, 0) + NEW_TURN, 0),
+        ("re-tokenized at the block boundary", D_TOKENS[:64] + [1, 2] + D_TOKENS[65:] + NEW_TURN, 4),
+        ("edit in the last full block", edit(D_TOKENS, 10 * BS - 1) + NEW_TURN, 9),
+        ("prompt shorter than D's sequence", D_TOKENS[: 5 * BS + 1], 5),
+        ("prompt exactly D's blocks: one token must stay to compute", D_TOKENS[: 5 * BS], 4),
+        ("empty prompt", [], 0),
+        ("single token prompt", D_TOKENS[:1], 0),
+    ],
+)
+def test_verified_blocks(name: str, prompt: list[int], expected_blocks: int) -> None:
+    handle = parse(d_params())
+    assert verified_blocks(handle, prompt, None, BS) == expected_blocks, name
+
+
+@pytest.mark.parametrize(
+    ("d_salt", "p_salt", "blocks"), [("a", "a", 10), ("a", "b", 0), (None, "a", 0), ("a", None, 0)]
+)
+def test_cache_salt_separates_tenants(d_salt: str | None, p_salt: str | None, blocks: int) -> None:
+    handle = parse(d_params(salt=d_salt))
+    assert verified_blocks(handle, D_TOKENS + NEW_TURN, p_salt, BS) == blocks
+
+
+def test_block_size_mismatch_is_rejected() -> None:
+    handle = parse(d_params())
+    with pytest.raises(HandleRejected) as e:
+        verified_blocks(handle, D_TOKENS + NEW_TURN, None, 32)
+    assert e.value.reason is Reason.BLOCK_SIZE
+
+
+def test_handle_naming_fewer_blocks_than_hashes_limits_the_pull() -> None:
+    params = d_params()
+    params[KV.REMOTE_BLOCK_IDS] = [[100, 101, 102]]
+    assert verified_blocks(parse(params), D_TOKENS + NEW_TURN, None, BS) == 3
+
+
+def test_trim_and_strip() -> None:
+    params = d_params()
+    handle = parse(params)
+    trim_params(params, handle, 4)
+    assert params[KV.REMOTE_BLOCK_IDS] == [[100, 101, 102, 103]]
+    assert params[KV.REMOTE_NUM_TOKENS] == 4 * BS
+    strip_remote(params)
+    assert params[KV.REMOTE_BLOCK_IDS] is None and params[KV.REMOTE_NUM_TOKENS] == 0
+
+
+def test_hashes_are_protocol_block_hashes_of_d_sequence() -> None:
+    ext = d_params(salt="s")[KV.KVLEASE]
+    assert ext["hashes"] == block_hashes(D_TOKENS, BS, "s")
+    assert ext["lease_id"] == "d-req-1" and ext["block_size"] == BS and ext["num_tokens"] == len(D_TOKENS)
+
+
+def _without(key: str) -> dict[str, Any]:
+    p = d_params()
+    del p[key]
+    return p
+
+
+def _ext(**over: Any) -> dict[str, Any]:
+    p = d_params()
+    p[KV.KVLEASE] = {**p[KV.KVLEASE], **over}
+    return p
+
+
+HOSTILE: list[tuple[str, dict[str, Any], Reason]] = [
+    ("no kvlease object", _without(KV.KVLEASE), Reason.UNVERIFIABLE),
+    ("kvlease not an object", d_params(kvlease="x"), Reason.INVALID_HANDLE),
+    ("kvlease wrong version", _ext(v=99), Reason.INVALID_HANDLE),
+    ("hashes not hex strings", _ext(hashes=[1, 2]), Reason.INVALID_HANDLE),
+    ("more hashes than tokens", _ext(num_tokens=BS), Reason.INVALID_HANDLE),
+    ("no engine id", _without(KV.REMOTE_ENGINE_ID), Reason.INVALID_HANDLE),
+    ("engine id wrong type", d_params(remote_engine_id=7), Reason.INVALID_HANDLE),
+    ("foreign engine id", d_params(remote_engine_id="engine-x"), Reason.INVALID_HANDLE),
+    ("request id not the lease", d_params(remote_request_id="other"), Reason.INVALID_HANDLE),
+    ("no request id", _without(KV.REMOTE_REQUEST_ID), Reason.INVALID_HANDLE),
+    ("host elsewhere", d_params(remote_host="8.8.8.8"), Reason.INVALID_HANDLE),
+    ("host wrong type", d_params(remote_host=["127.0.0.1"]), Reason.INVALID_HANDLE),
+    ("no host", _without(KV.REMOTE_HOST), Reason.INVALID_HANDLE),
+    ("port out of range", d_params(remote_port=70000), Reason.INVALID_HANDLE),
+    ("port as string", d_params(remote_port="5601"), Reason.INVALID_HANDLE),
+    ("huge tp_size", d_params(tp_size=10**9), Reason.INVALID_HANDLE),
+    ("tp_size zero", d_params(tp_size=0), Reason.INVALID_HANDLE),
+    ("tp_size float", d_params(tp_size=1.0), Reason.INVALID_HANDLE),
+    ("huge pp_size", d_params(pp_size=1 << 20), Reason.INVALID_HANDLE),
+    ("block ids flat list", d_params(remote_block_ids=[1, 2, 3]), Reason.INVALID_HANDLE),
+    ("block ids two groups", d_params(remote_block_ids=[[1], [2]]), Reason.INVALID_HANDLE),
+    ("negative block id", d_params(remote_block_ids=[[1, -2]]), Reason.INVALID_HANDLE),
+    ("block id as string", d_params(remote_block_ids=[["1"]]), Reason.INVALID_HANDLE),
+    ("block ids not a list", d_params(remote_block_ids="1,2"), Reason.INVALID_HANDLE),
+    ("num tokens negative", d_params(remote_num_tokens=-5), Reason.INVALID_HANDLE),
+    ("num tokens missing", _without(KV.REMOTE_NUM_TOKENS), Reason.INVALID_HANDLE),
+    ("expiry as string", d_params(remote_blocks_expiry_time="soon"), Reason.INVALID_HANDLE),
+    ("control URL elsewhere", _ext(control="http://8.8.8.8:80"), Reason.INVALID_HANDLE),
+    ("control URL bad scheme", _ext(control="file:///etc/passwd"), Reason.INVALID_HANDLE),
+    ("control URL bad port", _ext(control="http://127.0.0.1:99999"), Reason.INVALID_HANDLE),
+]
+
+
+@pytest.mark.parametrize(("name", "params", "reason"), HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_hostile_handles_are_rejected_with_a_reason(
+    name: str, params: dict[str, Any], reason: Reason
+) -> None:
+    before = copy.deepcopy(params)
+    with pytest.raises(HandleRejected) as e:
+        parse(params)
+    assert e.value.reason is reason, name
+    assert params == before  # parsing never mutates
+
+
+def test_allowed_hosts_config() -> None:
+    assert parse(d_params(), allowed=("127.0.0.1",)).host == "127.0.0.1"
+    with pytest.raises(HandleRejected):
+        parse(d_params(), allowed=("10.0.0.1",))
+
+
+def test_valid_handle_parses() -> None:
+    h = parse(d_params())
+    assert (h.engine_id, h.request_id, h.host, h.port, h.num_tokens) == (
+        "engine-d",
+        "d-req-1",
+        "127.0.0.1",
+        5601,
+        len(D_TOKENS),
+    )
+    assert h.block_ids == (tuple(range(100, 111)),)
