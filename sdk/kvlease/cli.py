@@ -21,7 +21,9 @@ app = typer.Typer(
 
 #: (command name, "module:attribute" of a typer.Typer sub-app). Sub-apps import their heavy
 #: dependencies inside the command functions.
-SUBCOMMANDS: list[tuple[str, str]] = []
+SUBCOMMANDS: list[tuple[str, str]] = [
+    ("router", "kvlease_vllm.router.cli:app"),
+]
 
 
 def _version_callback(value: bool) -> None:

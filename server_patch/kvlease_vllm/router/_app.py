@@ -1,0 +1,243 @@
+"""The router's aiohttp application: ``create_app(settings, store, upstreams)``.
+
+Resources (the upstream HTTP session, start-up validation, the health task) live in the app's
+lifespan (``cleanup_ctx``); there are no module-level globals, so tests run several routers in one
+process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from kvlease import __version__
+from kvlease.protocol import (
+    CHAT_COMPLETIONS_PATH,
+    COMPLETIONS_PATH,
+    CONTROL_INFO_PATH,
+    CONVERSATIONS_PATH,
+    HEALTH_PATH,
+    METRICS_PATH,
+    PROTOCOL_VERSION,
+    RENEW_PATH,
+    STATUS_PATH,
+    ControlInfo,
+    ProtocolError,
+)
+from kvlease_vllm.router._core import JSON_CT, Router, error_response, log
+from kvlease_vllm.router._flow import handle_turn
+from kvlease_vllm.router._lease_api import handle_release, handle_renew
+from kvlease_vllm.router._settings import ConfigError, RouterSettings
+from kvlease_vllm.router._store import StateStore
+from kvlease_vllm.router._upstreams import Node, Upstreams
+from kvlease_vllm.router._validate import ClusterPlan, NodeFacts, plan_cluster
+
+__all__ = ["ROUTER_KEY", "create_app"]
+
+ROUTER_KEY: web.AppKey[Router] = web.AppKey("kvlease_router", Router)
+
+
+async def _get_json(session: aiohttp.ClientSession, url: str, headers: dict[str, str], timeout: float) -> Any:
+    async with session.get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+        raw = await resp.read()
+        if resp.status >= 400:
+            raise ConfigError(f"{url} answered HTTP {resp.status}: {raw[:200]!r}")
+        return orjson.loads(raw)
+
+
+async def _node_facts(router: Router, node: Node) -> NodeFacts:
+    session, s = router.http(), router.settings
+    if node.control is not None:
+        data = await _get_json(
+            session, node.control + CONTROL_INFO_PATH, router.control_headers(), s.control_timeout
+        )
+        try:
+            info = ControlInfo.from_json(data)
+        except ProtocolError as e:
+            raise ConfigError(f"{node.control}{CONTROL_INFO_PATH}: {e}") from e
+        node.info, node.model, node.version = info, info.model, info.vllm_version
+        return NodeFacts(node.url, info.model, info.vllm_version or None, info)
+    models = await _get_json(session, node.url + "/v1/models", {}, s.control_timeout)
+    data = models.get("data") if isinstance(models, dict) else None
+    model = data[0].get("id") if isinstance(data, list) and data and isinstance(data[0], dict) else None
+    version = None
+    try:
+        v = await _get_json(session, node.url + "/version", {}, s.control_timeout)
+        version = v.get("version") if isinstance(v, dict) else None
+    except (ConfigError, aiohttp.ClientError, asyncio.TimeoutError, orjson.JSONDecodeError):
+        pass
+    node.model, node.version = model, version
+    return NodeFacts(
+        node.url, model if isinstance(model, str) else None, version if isinstance(version, str) else None
+    )
+
+
+async def _validate(router: Router) -> ClusterPlan:
+    s = router.settings
+    if not s.validate:
+        ttl = s.resolved_ttl(s.node_ttl)
+        return ClusterPlan(ttl, s.node_ttl, True, None, None, None, ("start-up validation skipped",))
+    deadline = time.monotonic() + s.startup_timeout
+    while True:
+        try:
+            pf = await asyncio.gather(*(_node_facts(router, n) for n in router.upstreams.prefill.nodes))
+            df = await asyncio.gather(*(_node_facts(router, n) for n in router.upstreams.decode.nodes))
+            break
+        except (aiohttp.ClientError, asyncio.TimeoutError, orjson.JSONDecodeError, ConfigError) as e:
+            if time.monotonic() >= deadline:
+                raise ConfigError(f"nodes did not answer within {s.startup_timeout:g} s: {e}") from e
+            await asyncio.sleep(0.5)
+    return plan_cluster(s, pf, df)
+
+
+async def _health_loop(router: Router) -> None:
+    s = router.settings
+    timeout = aiohttp.ClientTimeout(total=max(1.0, min(2.0, s.health_interval)))
+    while True:
+        await asyncio.sleep(s.health_interval)
+        for node in router.upstreams.all():
+            try:
+                async with router.http().get(node.url + HEALTH_PATH, timeout=timeout) as resp:
+                    await resp.read()
+                    ok = resp.status < 500
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                ok = False
+            if ok:
+                router.upstreams.mark_up(node)
+            elif node.healthy(time.monotonic()):
+                router.upstreams.mark_down(node, time.monotonic())
+                log.warning("%s node %s failed its health probe", node.role, node.url)
+
+
+def _lifespan(router: Router) -> Callable[[web.Application], AsyncIterator[None]]:
+    async def lifespan(app: web.Application) -> AsyncIterator[None]:
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, ttl_dns_cache=300)
+        router.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        health: asyncio.Task[None] | None = None
+        try:
+            router.plan = await _validate(router)
+            for w in router.plan.warnings:
+                log.warning(w)
+            log.info(
+                "router ready: mode=%s ttl=%gs store=%s prefill=%d decode=%d",
+                "kvlease" if router.settings.kvlease_mode else "stock-vllm",
+                router.plan.ttl,
+                router.store.name,
+                len(router.upstreams.prefill.nodes),
+                len(router.upstreams.decode.nodes),
+            )
+            health = asyncio.get_running_loop().create_task(_health_loop(router))
+            yield
+        finally:
+            if health is not None:
+                health.cancel()
+                try:
+                    await health
+                except asyncio.CancelledError:
+                    pass
+            await router.drain_background()
+            await router.session.close()
+
+    return lifespan
+
+
+def _status(router: Router) -> dict[str, Any]:
+    s, plan, now = router.settings, router.plan, time.monotonic()
+    assert plan is not None
+    return {
+        "kvlease_version": __version__,
+        "protocol_version": PROTOCOL_VERSION,
+        "mode": "kvlease" if s.kvlease_mode else "stock-vllm",
+        "renewals": s.kvlease_mode,
+        "reuse": plan.reuse,
+        "verified_pull": s.kvlease_mode,
+        "stream_capture": s.kvlease_mode,
+        "notes": list(plan.warnings),
+        "ttl_s": plan.ttl,
+        "decode_ttl_s": plan.decode_ttl,
+        "ttl_margin_s": s.ttl_margin,
+        "model": plan.model,
+        "vllm_version": plan.vllm_version,
+        "block_size": plan.block_size,
+        "store": router.store.name,
+        "tenant_header": s.tenant_header,
+        "uptime_s": round(time.time() - router.started_at, 3),
+        "prefill": [n.describe(now) for n in router.upstreams.prefill.nodes],
+        "decode": [n.describe(now) for n in router.upstreams.decode.nodes],
+    }
+
+
+def create_app(
+    settings: RouterSettings, store: StateStore, upstreams: Upstreams | None = None
+) -> web.Application:
+    """The router as an aiohttp app; run it with ``web.run_app`` or an ``AppRunner``."""
+    if upstreams is None:
+        upstreams = Upstreams(settings.prefill, settings.decode, settings.unhealthy_for)
+    router = Router(settings, store, upstreams)
+    app = web.Application(client_max_size=settings.max_body_bytes)
+    app[ROUTER_KEY] = router
+    app.cleanup_ctx.append(_lifespan(router))
+
+    def bind(
+        fn: Callable[..., Awaitable[web.StreamResponse]], *args: Any
+    ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        async def handler(request: web.Request) -> web.StreamResponse:
+            return await fn(request, router, *args)
+
+        return handler
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        return await handle_turn(request, router, True)
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        return await handle_turn(request, router, False)
+
+    async def status(request: web.Request) -> web.Response:
+        return web.Response(body=orjson.dumps(_status(router)), content_type=JSON_CT)
+
+    async def health(request: web.Request) -> web.Response:
+        now = time.monotonic()
+        p = any(n.healthy(now) for n in router.upstreams.prefill.nodes)
+        d = any(n.healthy(now) for n in router.upstreams.decode.nodes)
+        ok = p and d
+        body = {"status": "ok" if ok else "degraded", "prefill_healthy": p, "decode_healthy": d}
+        return web.Response(status=200 if ok else 503, body=orjson.dumps(body), content_type=JSON_CT)
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(
+            body=router.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"}
+        )
+
+    async def models(request: web.Request) -> web.StreamResponse:
+        node = router.upstreams.decode.pick(time.monotonic())
+        try:
+            async with router.http().get(node.url + "/v1/models", headers=_auth(request)) as resp:
+                raw = await resp.read()
+                return web.Response(status=resp.status, body=raw, content_type=resp.content_type)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            return error_response(502, f"decode node unreachable: {type(e).__name__}", "upstream_error")
+
+    app.add_routes(
+        [
+            web.post(CHAT_COMPLETIONS_PATH, chat),
+            web.post(COMPLETIONS_PATH, completions),
+            web.post(RENEW_PATH, bind(handle_renew)),
+            web.delete(CONVERSATIONS_PATH + "/{conversation_id}", bind(handle_release)),
+            web.get(STATUS_PATH, status),
+            web.get(HEALTH_PATH, health),
+            web.get(METRICS_PATH, metrics),
+            web.get("/v1/models", models),
+        ]
+    )
+    return app
+
+
+def _auth(request: web.Request) -> dict[str, str]:
+    v = request.headers.get("Authorization")
+    return {"Authorization": v} if v else {}

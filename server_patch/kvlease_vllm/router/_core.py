@@ -1,0 +1,123 @@
+"""The router's shared runtime: settings, store, pools, metrics and the HTTP client session.
+
+One :class:`Router` per app, created by ``create_app`` and filled in by its lifespan (no globals).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from kvlease.protocol import CONTROL_AUTH_HEADER, CONTROL_RELEASE_PATH, ControlReleaseRequest
+from kvlease_vllm.router._identity import Keyer, log_ref
+from kvlease_vllm.router._metrics import MissRateMonitor, RouterMetrics
+from kvlease_vllm.router._settings import RouterSettings
+from kvlease_vllm.router._store import ConversationState, StateStore, StoreError
+from kvlease_vllm.router._upstreams import Upstreams
+from kvlease_vllm.router._validate import ClusterPlan
+
+__all__ = ["Router", "error_response", "log"]
+
+log = logging.getLogger("kvlease.router")
+
+JSON_CT = "application/json"
+
+
+def error_response(status: int, message: str, code: str = "invalid_request_error") -> web.Response:
+    """An OpenAI-style error body."""
+    body = {"error": {"message": message, "type": code, "code": status}}
+    return web.Response(status=status, body=orjson.dumps(body), content_type=JSON_CT)
+
+
+@dataclass
+class Router:
+    settings: RouterSettings
+    store: StateStore
+    upstreams: Upstreams
+    metrics: RouterMetrics = field(default_factory=RouterMetrics)
+    plan: ClusterPlan | None = None
+    session: aiohttp.ClientSession | None = None
+    started_at: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        self.keyer = Keyer(self.settings.key_secret)
+        self.monitor = MissRateMonitor(self.settings.miss_window_s, self.settings.miss_window_min_turns)
+        self._background: set[asyncio.Task[Any]] = set()
+
+    # ---- derived configuration ---------------------------------------------------------------
+    @property
+    def ttl(self) -> float:
+        assert self.plan is not None
+        return self.plan.ttl
+
+    @property
+    def reuse_enabled(self) -> bool:
+        return self.plan is not None and self.plan.reuse
+
+    @property
+    def keep_for(self) -> float:
+        return self.ttl + self.settings.expired_grace
+
+    def http(self) -> aiohttp.ClientSession:
+        assert self.session is not None, "the router's lifespan has not started"
+        return self.session
+
+    def control_headers(self) -> dict[str, str]:
+        return {CONTROL_AUTH_HEADER: f"Bearer {self.settings.control_secret}", "Content-Type": JSON_CT}
+
+    # ---- store access that degrades ----------------------------------------------------------
+    async def store_get(self, key: str) -> tuple[ConversationState | None, bool]:
+        """(state, ok): ``ok`` is False when the store failed (the turn takes the miss path)."""
+        try:
+            return await self.store.get(key), True
+        except StoreError as e:
+            self.metrics.store_errors.inc()
+            log.warning("state store get failed: %s", e, extra={"conv": log_ref(key)})
+            return None, False
+
+    async def store_put(self, key: str, state: ConversationState, keep_for: float | None = None) -> bool:
+        try:
+            await self.store.put(key, state, self.keep_for if keep_for is None else keep_for)
+            return True
+        except StoreError as e:
+            self.metrics.store_errors.inc()
+            log.warning("state store put failed: %s", e, extra={"conv": log_ref(key)})
+            return False
+
+    # ---- background work ---------------------------------------------------------------------
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def drain_background(self, timeout: float = 2.0) -> None:
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=timeout)
+
+    async def release_on_decode(self, control: str, lease_ids: list[str]) -> bool:
+        """``POST /release`` on one D's control endpoint; False if it failed (logged, counted)."""
+        body = orjson.dumps(ControlReleaseRequest(tuple(lease_ids)).to_json())
+        try:
+            async with self.http().post(
+                control + CONTROL_RELEASE_PATH,
+                data=body,
+                headers=self.control_headers(),
+                timeout=aiohttp.ClientTimeout(total=self.settings.control_timeout),
+            ) as resp:
+                await resp.read()
+                if resp.status >= 400:
+                    raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
+            self.metrics.releases.inc(len(lease_ids))
+            return True
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            self.metrics.upstream_errors["control"].inc()
+            log.warning("release on %s failed: %s", control, type(e).__name__)
+            return False

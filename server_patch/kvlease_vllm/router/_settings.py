@@ -1,0 +1,170 @@
+"""Router settings: one frozen dataclass, built from CLI flags or a JSON/TOML config file."""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ConfigError", "NodeSpec", "RouterSettings", "load_config_file"]
+
+
+class ConfigError(ValueError):
+    """The router configuration (or what the nodes report at start-up) is unusable."""
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """One vLLM server: its OpenAI URL and, with the kvlease connector, its control endpoint URL."""
+
+    url: str
+    control: str | None = None
+
+    def __post_init__(self) -> None:
+        for name, value in (("url", self.url), ("control", self.control)):
+            if value is not None and not value.startswith(("http://", "https://")):
+                raise ConfigError(f"node {name} must be an http(s) URL, got {value!r}")
+        object.__setattr__(self, "url", self.url.rstrip("/"))
+        if self.control is not None:
+            object.__setattr__(self, "control", self.control.rstrip("/"))
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    """Everything the router needs to know; see ``docs/router.md`` for each field."""
+
+    prefill: tuple[NodeSpec, ...]
+    decode: tuple[NodeSpec, ...]
+    #: Shared secret of the kvlease control endpoints (``Authorization: Bearer``).
+    control_secret: str | None = None
+    #: Router lease TTL in seconds; ``None``: D's TTL minus the margin.
+    ttl: float | None = None
+    #: The router's lease always ends at least this many seconds before D's.
+    ttl_margin: float = 5.0
+    #: D's retention TTL for stock vLLM (``decoder_kv_blocks_ttl``; /v1/models does not report it).
+    node_ttl: float = 480.0
+    #: How long state outlives its lease, so a late turn reports ``expired`` rather than ``first``.
+    expired_grace: float = 600.0
+    #: Trust this request header as the tenant (else: hash of the bearer token).
+    tenant_header: str | None = None
+    #: HMAC key for tenant-scoped conversation keys. Must be shared by replicas using one Redis.
+    key_secret: str = field(default_factory=lambda: secrets.token_hex(32), repr=False)
+    #: ``redis://...`` for the Redis store, ``None`` for the in-memory store.
+    state: str | None = None
+    memory_max_entries: int = 100_000
+    max_body_bytes: int = 16 * 1024 * 1024
+    #: Timeouts (seconds).
+    connect_timeout: float = 5.0
+    prefill_timeout: float = 600.0
+    decode_read_timeout: float = 600.0
+    control_timeout: float = 2.0
+    store_timeout: float = 0.25
+    #: After a store error, skip the store for this long (turns go on as misses meanwhile).
+    store_backoff: float = 1.0
+    #: Active health probe period; an unreachable node is avoided for ``unhealthy_for`` seconds.
+    health_interval: float = 5.0
+    unhealthy_for: float = 5.0
+    #: Miss-rate warning: all turns with ids in this window missed (and at least ``min`` turns).
+    miss_window_s: float = 300.0
+    miss_window_min_turns: int = 20
+    #: Validate the nodes (``/info`` or ``/v1/models``) before serving; wait this long for them.
+    validate: bool = True
+    startup_timeout: float = 60.0
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+    def __post_init__(self) -> None:
+        if not self.prefill or not self.decode:
+            raise ConfigError("at least one prefill and one decode node are required")
+        controls = {n.control is not None for n in self.prefill + self.decode}
+        if len(controls) > 1:
+            raise ConfigError(
+                "either every node has a kvlease control endpoint or none has "
+                "(mixing the kvlease connector and stock vLLM is not supported)"
+            )
+        if self.kvlease_mode and not self.control_secret:
+            raise ConfigError(
+                "the kvlease control endpoints need --control-secret (or KVLEASE_CONTROL_SECRET)"
+            )
+        if self.ttl is not None and self.ttl <= 0:
+            raise ConfigError("ttl must be positive")
+        if self.ttl_margin < 0:
+            raise ConfigError("ttl_margin must not be negative")
+        if self.max_body_bytes < 1024:
+            raise ConfigError("max_body_bytes must be at least 1024")
+        if self.memory_max_entries < 1:
+            raise ConfigError("memory_max_entries must be at least 1")
+        if self.state is not None and not self.state.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(f"state must be a redis:// URL, got {self.state!r}")
+
+    @property
+    def kvlease_mode(self) -> bool:
+        """True when the nodes run the kvlease connector (control endpoints configured)."""
+        return self.prefill[0].control is not None
+
+    def resolved_ttl(self, decode_ttl: float) -> float:
+        """The router's lease TTL given D's TTL; raises :class:`ConfigError` when misordered."""
+        limit = decode_ttl - self.ttl_margin
+        if limit <= 0:
+            raise ConfigError(
+                f"D's TTL ({decode_ttl:g} s) is not above the safety margin ({self.ttl_margin:g} s)"
+            )
+        if self.ttl is None:
+            return limit
+        if self.ttl > limit:
+            raise ConfigError(
+                f"router TTL {self.ttl:g} s must be at most D's TTL {decode_ttl:g} s minus the "
+                f"{self.ttl_margin:g} s margin ({limit:g} s)"
+            )
+        return self.ttl
+
+    def with_overrides(self, **changes: Any) -> RouterSettings:
+        return replace(self, **changes)
+
+
+def _nodes(value: object, what: str) -> tuple[NodeSpec, ...]:
+    if not isinstance(value, Sequence) or isinstance(value, str):
+        raise ConfigError(f"{what} must be a list of URLs or {{url, control}} objects")
+    out = []
+    for item in value:
+        if isinstance(item, str):
+            out.append(NodeSpec(item))
+        elif isinstance(item, Mapping) and isinstance(item.get("url"), str):
+            control = item.get("control")
+            if control is not None and not isinstance(control, str):
+                raise ConfigError(f"{what}: control must be a URL string")
+            out.append(NodeSpec(item["url"], control))
+        else:
+            raise ConfigError(f"{what} entries must be URLs or {{url, control}} objects, got {item!r}")
+    return tuple(out)
+
+
+def load_config_file(path: Path) -> dict[str, Any]:
+    """Read a JSON (``.json``) or TOML config file into keyword arguments of :class:`RouterSettings`."""
+    text = path.read_text(encoding="utf-8")
+    data: object
+    if path.suffix == ".toml":
+        try:
+            import tomllib
+        except ModuleNotFoundError as e:  # Python 3.10
+            raise ConfigError("TOML config files need Python 3.11+; use JSON") from e
+        data = tomllib.loads(text)
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: invalid JSON: {e}") from e
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path}: the config must be an object")
+    known = {f.name for f in fields(RouterSettings)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"{path}: unknown config keys: {', '.join(unknown)}")
+    out = dict(data)
+    for key in ("prefill", "decode"):
+        if key in out:
+            out[key] = _nodes(out[key], key)
+    return out

@@ -1,0 +1,597 @@
+"""A fast fake of a vLLM prefill/decode pair (OpenAI API + P/D ``kv_transfer_params``).
+
+vLLM is outside this project; router tests and benchmarks need something that answers like it in
+microseconds. The fake mimics vLLM 0.32's P/D wire behaviour with ``NixlConnector`` in
+bidirectional mode, and optionally the kvlease connector and plugin:
+
+* P (``max_tokens=1``, ``do_remote_decode``) answers JSON with ``kv_transfer_params`` for D. Given
+  D's handle, it "pulls": stock mode by length, kvlease mode only the longest common prefix of block
+  hashes, and reports ``kvlease.reused_tokens``. A pull reads D's retained blocks once (single use)
+  through a fake side channel, so expired/released/consumed handles really fail.
+* D decodes (JSON or SSE like vLLM), retains the blocks of prompt + output for the TTL, and returns
+  its handle in the JSON body (stock bidirectional) and, with the plugin, in the final stream chunk.
+* The kvlease control endpoint (``/info``, ``/renew``, ``/release``, bearer auth) on its own port.
+
+"Tokens" are the UTF-8 bytes of the ChatML-rendered prompt, so hashes behave like vLLM's: an edited
+history changes the blocks after the edit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+from collections import deque
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from kvlease.protocol import (
+    CONTROL_INFO_PATH,
+    CONTROL_RELEASE_PATH,
+    CONTROL_RENEW_PATH,
+    KV,
+    KV_TRANSFER_PARAMS,
+    PREFILL_REUSE_STATUS,
+    PREFILL_REUSED_TOKENS,
+    ControlInfo,
+    ControlReleaseRequest,
+    ControlRenewRequest,
+    ControlRenewResponse,
+    LeaseHandleExt,
+    ProtocolError,
+    Role,
+    block_hashes,
+    common_prefix_blocks,
+)
+
+__all__ = ["FakeConfig", "FakeNode", "FakePair", "render_chat"]
+
+_WORDS = ("alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu")
+READ_PATH = "/_fake/nixl/read"
+CONFIG_PATH = "/_fake/config"
+STATS_PATH = "/_fake/stats"
+
+
+@dataclass
+class FakeConfig:
+    model: str = "fake-model"
+    vllm_version: str = "0.32.0"
+    block_size: int = 16
+    ttl: float = 120.0
+    bidirectional: bool = True
+    kvlease: bool = True  # the kvlease connector: hashes in handles, control endpoint, P reports
+    plugin: bool = True  # kv_transfer_params in the final streaming chunk
+    prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens on P
+    pull_check: bool = True  # P reads D's blocks through the fake side channel (single use)
+    prefill_delay: float = 0.0
+    token_delay: float = 0.0
+    default_max_tokens: int = 8
+    fail_next: int = 0  # answer the next N chat/completion requests with fail_status
+    fail_status: int = 500
+    fail_with_handle: int = 0  # P: fail the next N requests that carry D's handle
+    control_secret: str = "fake-secret"
+
+
+def render_chat(messages: object) -> str:
+    """ChatML rendering with the generation prompt (what the tiny model's template does)."""
+    out = []
+    if isinstance(messages, list):
+        for m in messages:
+            if isinstance(m, dict):
+                content = m.get("content")
+                text = (
+                    content
+                    if isinstance(content, str)
+                    else ("" if content is None else orjson.dumps(content).decode())
+                )
+                out.append(f"<|im_start|>{m.get('role')}\n{text}<|im_end|>\n")
+    out.append("<|im_start|>assistant\n")
+    return "".join(out)
+
+
+def _tokens(text: str) -> list[int]:
+    return list(text.encode("utf-8", "surrogatepass"))
+
+
+def _bad(msg: str, status: int = 400) -> web.Response:
+    body = {"object": "error", "message": msg, "type": "BadRequestError", "param": None, "code": status}
+    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
+
+
+@dataclass
+class FakeNode:
+    role: Role
+    config: FakeConfig = field(default_factory=FakeConfig)
+    host: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        self.engine_id = f"{self.role.value}-{uuid.uuid4().hex[:8]}"
+        self.retained: dict[str, tuple[list[int], float]] = {}
+        self.requests: deque[dict[str, Any]] = deque(maxlen=256)
+        self.headers: deque[dict[str, str]] = deque(maxlen=256)
+        self.stats: dict[str, int] = {
+            k: 0
+            for k in (
+                "requests",
+                "streams",
+                "streams_aborted",
+                "open_streams",
+                "reads_ok",
+                "reads_failed",
+                "renew_calls",
+                "release_calls",
+            )
+        }
+        self.renew_batches: list[list[str]] = []
+        self.port = 0
+        self.control_port = 0
+        self._ids = itertools.count()
+        self._runners: list[web.AppRunner] = []
+
+    # ---- addresses -----------------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def control(self) -> str | None:
+        return f"http://{self.host}:{self.control_port}" if self.config.kvlease else None
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    async def start(self, port: int = 0, control_port: int = 0) -> FakeNode:
+        self.port = await self._serve(self._api_app(), port)
+        if self.config.kvlease:
+            self.control_port = await self._serve(self._control_app(), control_port)
+        return self
+
+    async def _serve(self, app: web.Application, port: int) -> int:
+        runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=0.5)
+        await runner.setup()
+        site = web.TCPSite(runner, self.host, port, backlog=2048)
+        await site.start()
+        self._runners.append(runner)
+        return int(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+
+    async def stop(self) -> None:
+        for r in self._runners:
+            await r.cleanup()
+        self._runners.clear()
+
+    # ---- the OpenAI side -----------------------------------------------------------------------
+    def _api_app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.add_routes(
+            [
+                web.post("/v1/chat/completions", self._completion),
+                web.post("/v1/completions", self._completion),
+                web.get("/v1/models", self._models),
+                web.get("/version", self._version),
+                web.get("/health", self._health),
+                web.post(READ_PATH, self._read),
+                web.post(CONFIG_PATH, self._set_config),
+                web.get(STATS_PATH, self._stats),
+            ]
+        )
+        return app
+
+    async def _models(self, request: web.Request) -> web.Response:
+        body = {"object": "list", "data": [{"id": self.config.model, "object": "model", "owned_by": "vllm"}]}
+        return web.json_response(body)
+
+    async def _version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": self.config.vllm_version})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def _stats(self, request: web.Request) -> web.Response:
+        return web.json_response({**self.stats, "retained": len(self.retained)})
+
+    async def _set_config(self, request: web.Request) -> web.Response:
+        data = await request.json()
+        names = {f.name for f in fields(FakeConfig)}
+        for k, v in data.items():
+            if k in names:
+                setattr(self.config, k, v)
+        return web.json_response(asdict(self.config))
+
+    def _alive(self, rid: str) -> list[int] | None:
+        item = self.retained.get(rid)
+        if item is None:
+            return None
+        if time.monotonic() >= item[1]:
+            del self.retained[rid]
+            return None
+        return item[0]
+
+    async def _read(self, request: web.Request) -> web.Response:
+        """The fake NIXL READ of retained blocks: single use, like D freeing after the first read."""
+        rid = (await request.json()).get("request_id")
+        if isinstance(rid, str) and self._alive(rid) is not None:
+            del self.retained[rid]
+            self.stats["reads_ok"] += 1
+            return web.json_response({"ok": True})
+        self.stats["reads_failed"] += 1
+        return web.json_response({"ok": False}, status=404)
+
+    async def _completion(self, request: web.Request) -> web.StreamResponse:
+        cfg = self.config
+        self.stats["requests"] += 1
+        self.headers.append(dict(request.headers))
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError:
+            return _bad("invalid JSON")
+        if not isinstance(body, dict):
+            return _bad("body must be an object")
+        self.requests.append(body)
+        if cfg.fail_next > 0:
+            cfg.fail_next -= 1
+            return _bad("injected failure", cfg.fail_status)
+        chat = request.path.endswith("/chat/completions")
+        if chat:
+            if not isinstance(body.get("messages"), list):
+                return _bad("messages: field required")
+            prompt_text = render_chat(body["messages"])
+        else:
+            if not isinstance(body.get("prompt"), str):
+                return _bad("prompt must be a string")
+            prompt_text = body["prompt"]
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or cfg.default_max_tokens
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            return _bad("max_tokens must be a positive integer")
+        prompt = _tokens(prompt_text)
+        kv = body.get(KV_TRANSFER_PARAMS)
+        kv = kv if isinstance(kv, dict) else None
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{self.engine_id}-{next(self._ids)}"
+        reuse: dict[str, Any] | None = None
+        if kv is not None and kv.get(KV.DO_REMOTE_DECODE) and kv.get(KV.REMOTE_BLOCK_IDS):
+            if cfg.fail_with_handle > 0:
+                cfg.fail_with_handle -= 1
+                return _bad("injected failure with a handle", 500)
+            reuse = await self._pull(kv, prompt)
+        if cfg.prefill_delay:
+            await asyncio.sleep(cfg.prefill_delay)
+        words = [_WORDS[(len(prompt) + i * 7) % len(_WORDS)] for i in range(max_tokens)]
+        pieces = [(" " if i else "") + w for i, w in enumerate(words)]
+        text = "".join(pieces)
+        params = self._params_out(kv, rid, prompt, text, chat, reuse)
+        usage: dict[str, Any] = {"prompt_tokens": len(prompt), "completion_tokens": max_tokens}
+        usage["total_tokens"] = len(prompt) + max_tokens
+        if cfg.prompt_tokens_details:
+            usage["prompt_tokens_details"] = {"cached_tokens": reuse["tokens"] if reuse else 0}
+        if body.get("stream") is True:
+            return await self._stream(request, body, rid, chat, pieces, params, usage)
+        choice: dict[str, Any] = {
+            "index": 0,
+            "logprobs": None,
+            "finish_reason": "length",
+            "stop_reason": None,
+        }
+        if chat:
+            choice["message"] = {
+                "role": "assistant",
+                "content": text,
+                "reasoning_content": None,
+                "tool_calls": [],
+            }
+        else:
+            choice["text"] = text
+        out = {
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": body.get("model", cfg.model),
+            "choices": [choice],
+            "usage": usage,
+            "prompt_logprobs": None,
+            KV_TRANSFER_PARAMS: params,
+        }
+        return web.Response(body=orjson.dumps(out), content_type="application/json")
+
+    async def _pull(self, kv: dict[str, Any], prompt: list[int]) -> dict[str, Any]:
+        """P with D's handle: decide what to reuse, then read it from D (single use)."""
+        cfg = self.config
+        bs = cfg.block_size
+        max_blocks = max(len(prompt) - 1, 0) // bs  # at least one token is always computed
+        if cfg.kvlease:
+            try:
+                ext = LeaseHandleExt.from_json(kv.get(KV.KVLEASE))
+            except ProtocolError:
+                return {"tokens": 0, "status": "miss"}
+            n = min(common_prefix_blocks(block_hashes(prompt, bs), ext.hashes), max_blocks)
+            if n == 0:
+                return {"tokens": 0, "status": "mismatch"}
+        else:
+            num = kv.get(KV.REMOTE_NUM_TOKENS)
+            n = min((num if isinstance(num, int) else 0) // bs, max_blocks)  # by length: unverified
+        if cfg.pull_check:
+            import aiohttp
+
+            url = f"http://{kv.get(KV.REMOTE_HOST)}:{kv.get(KV.REMOTE_PORT)}{READ_PATH}"
+            try:
+                async with (
+                    aiohttp.ClientSession() as s,
+                    s.post(url, json={"request_id": kv.get(KV.REMOTE_REQUEST_ID)}) as r,
+                ):
+                    ok = r.status == 200
+            except aiohttp.ClientError:
+                ok = False
+            if not ok:
+                return {"tokens": 0, "status": "miss"}
+        return {"tokens": n * bs, "status": "hit"}
+
+    def _params_out(
+        self,
+        kv: dict[str, Any] | None,
+        rid: str,
+        prompt: list[int],
+        text: str,
+        chat: bool,
+        reuse: dict[str, Any] | None,
+    ) -> dict[str, Any] | None:
+        cfg = self.config
+        if kv is None:
+            return None
+        common = {
+            KV.REMOTE_ENGINE_ID: self.engine_id,
+            KV.REMOTE_REQUEST_ID: rid,
+            KV.REMOTE_HOST: self.host,
+            KV.REMOTE_PORT: self.port,
+            KV.TP_SIZE: 1,
+        }
+        if self.role is Role.PREFILL and kv.get(KV.DO_REMOTE_DECODE):
+            out: dict[str, Any] = {
+                KV.DO_REMOTE_PREFILL: True,
+                KV.DO_REMOTE_DECODE: False,
+                KV.REMOTE_BLOCK_IDS: list(range((len(prompt) + cfg.block_size - 1) // cfg.block_size)),
+                KV.REMOTE_NUM_TOKENS: len(prompt),
+                KV.REMOTE_BLOCKS_EXPIRY_TIME: None,
+                **common,
+            }
+            if cfg.kvlease and reuse is not None:
+                out[KV.KVLEASE] = {
+                    PREFILL_REUSED_TOKENS: reuse["tokens"],
+                    PREFILL_REUSE_STATUS: reuse["status"],
+                }
+            return out
+        if self.role is Role.DECODE and kv.get(KV.DO_REMOTE_PREFILL) and cfg.bidirectional:
+            held = prompt + _tokens(text) + (_tokens("<|im_end|>") if chat else [])
+            deadline = time.monotonic() + cfg.ttl
+            self.retained[rid] = (held, deadline)
+            out = {
+                KV.DO_REMOTE_DECODE: True,
+                KV.DO_REMOTE_PREFILL: False,
+                KV.REMOTE_BLOCK_IDS: list(range((len(held) + cfg.block_size - 1) // cfg.block_size)),
+                KV.REMOTE_NUM_TOKENS: len(held),
+                KV.REMOTE_BLOCKS_EXPIRY_TIME: deadline,
+                **common,
+            }
+            if cfg.kvlease:
+                out[KV.KVLEASE] = LeaseHandleExt(
+                    block_size=cfg.block_size,
+                    num_tokens=len(held),
+                    hashes=tuple(block_hashes(held, cfg.block_size)),
+                    lease_id=rid,
+                    engine_id=self.engine_id,
+                    control=self.control,
+                ).to_json()
+            return out
+        return None
+
+    async def _stream(
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        rid: str,
+        chat: bool,
+        pieces: list[str],
+        params: dict[str, Any] | None,
+        usage: dict[str, Any],
+    ) -> web.StreamResponse:
+        cfg = self.config
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        self.stats["streams"] += 1
+        self.stats["open_streams"] += 1
+        base = {
+            "id": rid,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": body.get("model", cfg.model),
+        }
+        try:
+            if chat:
+                first = {
+                    **base,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                }
+                await resp.write(b"data: " + orjson.dumps(first) + b"\n\n")
+            for i, piece in enumerate(pieces):
+                if cfg.token_delay:
+                    await asyncio.sleep(cfg.token_delay)
+                last = i == len(pieces) - 1
+                c: dict[str, Any] = {
+                    "index": 0,
+                    "logprobs": None,
+                    "finish_reason": "length" if last else None,
+                }
+                if chat:
+                    c["delta"] = {"content": piece}
+                else:
+                    c["text"] = piece
+                if last:
+                    c["stop_reason"] = None
+                chunk: dict[str, Any] = {**base, "choices": [c]}
+                if last and params is not None and cfg.plugin:
+                    chunk[KV_TRANSFER_PARAMS] = params
+                await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+            so = body.get("stream_options")
+            if isinstance(so, dict) and so.get("include_usage"):
+                await resp.write(b"data: " + orjson.dumps({**base, "choices": [], "usage": usage}) + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.stats["streams_aborted"] += 1
+            raise
+        finally:
+            self.stats["open_streams"] -= 1
+        return resp
+
+    # ---- the kvlease control endpoint ----------------------------------------------------------
+    def _control_app(self) -> web.Application:
+        app = web.Application()
+        app.add_routes(
+            [
+                web.get(CONTROL_INFO_PATH, self._info),
+                web.post(CONTROL_RENEW_PATH, self._renew),
+                web.post(CONTROL_RELEASE_PATH, self._release),
+            ]
+        )
+        return app
+
+    def _authorized(self, request: web.Request) -> bool:
+        return request.headers.get("Authorization") == f"Bearer {self.config.control_secret}"
+
+    async def _info(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return _bad("unauthorized", 401)
+        cfg = self.config
+        info = ControlInfo(
+            role=self.role,
+            engine_id=self.engine_id,
+            vllm_version=cfg.vllm_version,
+            kvlease_version="0.1.0",
+            bidirectional_kv_xfer=cfg.bidirectional,
+            ttl_s=cfg.ttl,
+            recompute_threshold=64,
+            block_size=cfg.block_size,
+            model=cfg.model,
+        )
+        return web.json_response(info.to_json())
+
+    async def _renew(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return _bad("unauthorized", 401)
+        try:
+            req = ControlRenewRequest.from_json(await request.json())
+        except ProtocolError as e:
+            return _bad(str(e))
+        self.stats["renew_calls"] += 1
+        self.renew_batches.append(list(req.request_ids))
+        now = time.monotonic()
+        out: dict[str, float | None] = {}
+        for rid in req.request_ids:
+            held = self._alive(rid)
+            if held is None:
+                out[rid] = None
+            else:
+                self.retained[rid] = (held, now + req.ttl)
+                out[rid] = req.ttl
+        return web.json_response(ControlRenewResponse(out).to_json())
+
+    async def _release(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return _bad("unauthorized", 401)
+        try:
+            req = ControlReleaseRequest.from_json(await request.json())
+        except ProtocolError as e:
+            return _bad(str(e))
+        self.stats["release_calls"] += 1
+        n = sum(self.retained.pop(rid, None) is not None for rid in req.request_ids)
+        return web.json_response({"released": n})
+
+
+@dataclass
+class FakePair:
+    """A prefill and a decode fake sharing one config object (or one each)."""
+
+    config: FakeConfig = field(default_factory=FakeConfig)
+    n_decode: int = 1
+
+    def __post_init__(self) -> None:
+        self.prefill = FakeNode(Role.PREFILL, self.config)
+        self.decodes = [FakeNode(Role.DECODE, self.config) for _ in range(self.n_decode)]
+
+    @property
+    def decode(self) -> FakeNode:
+        return self.decodes[0]
+
+    async def __aenter__(self) -> FakePair:
+        await self.prefill.start()
+        for d in self.decodes:
+            await d.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for node in (self.prefill, *self.decodes):
+            await node.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m kvlease_vllm.testing.fake_vllm [--stock] [--no-plugin] [--decodes N]``: serve a
+    fake pair (uvloop) and print its addresses as one JSON line; stop with SIGTERM/SIGINT."""
+    import argparse
+    import json
+    import signal
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--stock", action="store_true", help="stock vLLM: no kvlease connector/control")
+    ap.add_argument("--no-plugin", action="store_true", help="no handle in the final stream chunk")
+    ap.add_argument("--no-pull-check", action="store_true", help="P trusts handles without reading D")
+    ap.add_argument("--decodes", type=int, default=1)
+    ap.add_argument("--ttl", type=float, default=120.0)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--secret", default="fake-secret")
+    args = ap.parse_args(argv)
+    cfg = FakeConfig(
+        kvlease=not args.stock,
+        plugin=not args.no_plugin,
+        pull_check=not args.no_pull_check,
+        ttl=args.ttl,
+        default_max_tokens=args.max_tokens,
+        control_secret=args.secret,
+    )
+
+    async def run() -> None:
+        async with FakePair(cfg, args.decodes) as pair:
+            nodes = [pair.prefill, *pair.decodes]
+            print(
+                json.dumps(
+                    {
+                        "prefill": pair.prefill.url,
+                        "prefill_control": pair.prefill.control,
+                        "decode": [d.url for d in pair.decodes],
+                        "decode_control": [d.control for d in pair.decodes],
+                        "nodes": len(nodes),
+                    }
+                ),
+                flush=True,
+            )
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, stop.set)
+            await stop.wait()
+
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover
+        asyncio.run(run())
+    else:
+        uvloop.run(run())
+
+
+if __name__ == "__main__":
+    main()

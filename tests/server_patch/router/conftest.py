@@ -1,0 +1,214 @@
+"""Fixtures: a fake vLLM P/D pair (real HTTP on 127.0.0.1) with the real router in front of it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from kvlease_vllm.router import (
+    ROUTER_KEY,
+    MemoryStore,
+    NodeSpec,
+    RouterSettings,
+    StateStore,
+    create_app,
+)
+from kvlease_vllm.router._core import Router
+from kvlease_vllm.testing import FakeConfig, FakePair
+
+SECRET = "fake-secret"
+
+
+@dataclass
+class Cluster:
+    pair: FakePair
+    url: str
+    app: web.Application
+    runner: web.AppRunner
+    client: aiohttp.ClientSession
+    settings: RouterSettings
+    extra: list[Any] = field(default_factory=list)
+
+    @property
+    def router(self) -> Router:
+        return self.app[ROUTER_KEY]
+
+    async def chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        cid: str | None = None,
+        stream: bool = False,
+        headers: dict[str, str] | None = None,
+        **body: Any,
+    ) -> tuple[aiohttp.ClientResponse, Any]:
+        """One chat turn; returns (response, parsed JSON | list of SSE payload dicts)."""
+        h = dict(headers or {})
+        if cid is not None:
+            h["X-Conversation-Id"] = cid
+        payload = {"model": "fake-model", "messages": messages, "stream": stream, **body}
+        async with self.client.post(self.url + "/v1/chat/completions", json=payload, headers=h) as resp:
+            raw = await resp.read()
+        return resp, parse_body(raw, stream and resp.status == 200)
+
+    async def stop(self) -> None:
+        await self.client.close()
+        await self.runner.cleanup()
+        await self.pair.__aexit__(None, None, None)
+
+
+def parse_body(raw: bytes, sse: bool) -> Any:
+    import orjson
+
+    if not sse:
+        return orjson.loads(raw) if raw else None
+    events = []
+    for block in raw.split(b"\n\n"):
+        if not block.strip():
+            continue
+        assert block.startswith(b"data: "), block
+        data = block[6:]
+        events.append("[DONE]" if data == b"[DONE]" else orjson.loads(data))
+    return events
+
+
+def assistant_text(result: Any, stream: bool) -> str:
+    if not stream:
+        return str(result["choices"][0]["message"]["content"])
+    return "".join(
+        e["choices"][0]["delta"].get("content") or "" for e in result if e != "[DONE]" and e.get("choices")
+    )
+
+
+ClusterFactory = Callable[..., Awaitable[Cluster]]
+
+
+@pytest.fixture
+async def make_cluster() -> AsyncIterator[ClusterFactory]:
+    made: list[Cluster] = []
+
+    async def factory(
+        config: FakeConfig | None = None,
+        *,
+        n_decode: int = 1,
+        store: StateStore | None = None,
+        pair: FakePair | None = None,
+        **overrides: Any,
+    ) -> Cluster:
+        if pair is None:
+            pair = await FakePair(config or FakeConfig(), n_decode).__aenter__()
+        kvlease = pair.config.kvlease
+        settings = RouterSettings(
+            prefill=(NodeSpec(pair.prefill.url, pair.prefill.control if kvlease else None),),
+            decode=tuple(NodeSpec(d.url, d.control if kvlease else None) for d in pair.decodes),
+            control_secret=SECRET if kvlease else None,
+            key_secret="test-key-secret",
+            health_interval=0.2,
+            unhealthy_for=0.5,
+            startup_timeout=5.0,
+            **overrides,
+        )
+        app = create_app(settings, store if store is not None else MemoryStore(1000))
+        runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=0.5)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        cluster = Cluster(pair, f"http://127.0.0.1:{port}", app, runner, aiohttp.ClientSession(), settings)
+        made.append(cluster)
+        return cluster
+
+    yield factory
+    for c in made:
+        await c.stop()
+
+
+@pytest.fixture
+async def cluster(make_cluster: ClusterFactory) -> Cluster:
+    return await make_cluster()
+
+
+# ---- a real redis-server per test session ---------------------------------------------------------
+
+
+@dataclass
+class RedisServer:
+    port: int
+    proc: subprocess.Popen[bytes]
+    dir: Path
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, 9)
+            self.proc.wait(10)
+
+    def start(self) -> None:
+        self.proc = _spawn_redis(self.port, self.dir)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _spawn_redis(port: int, workdir: Path) -> subprocess.Popen[bytes]:
+    binary = shutil.which("redis-server")
+    assert binary is not None
+    proc = subprocess.Popen(
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(workdir),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        process_group=0,
+    )
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(16).startswith(b"+PONG"):
+                    return proc
+        except OSError:
+            time.sleep(0.05)
+    os.killpg(proc.pid, 9)
+    raise RuntimeError("redis-server did not start within 10 s")
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server binary not installed (apt-get install redis-server)")
+    workdir = Path(tempfile.mkdtemp(prefix="kvlease-redis-"))
+    port = _free_port()
+    server = RedisServer(port, _spawn_redis(port, workdir), workdir)
+    yield server
+    server.kill()
+    shutil.rmtree(workdir, ignore_errors=True)
