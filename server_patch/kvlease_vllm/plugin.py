@@ -12,11 +12,17 @@ and adds the engine's final ``kv_transfer_params`` to the last JSON chunk before
 as vLLM's non-streaming responses already carry it (upstream proposal: vllm-project/vllm#40186).
 Requests without ``kv_transfer_params`` go straight to vLLM's own generator.
 
-Safety: before patching, the targets are checked (class and method present, an async generator
-function, parameters ``request`` and ``result_generator``; ``num_prompts`` for text completions).
-On any mismatch the plugin logs a warning and leaves that target alone, so a vLLM upgrade can only
-switch the feature off, never break the server. Registering twice (vLLM calls plugins in several
-processes, and forked processes inherit patched classes) is a no-op.
+vLLM is imported lazily, in :func:`register`, by module name: the plugin needs only the two serving
+modules, not the connector's vLLM surface in ``kvlease_vllm._compat`` (which pulls in NIXL). In
+engine and worker processes that vLLM starts fresh, this imports the serving modules once (about
+0.5 s at start-up); they are unused there.
+
+Safety: outside the supported vLLM range the plugin does nothing. Before patching, the targets are
+checked (class and method present, an async generator function, parameters ``request`` and
+``result_generator``; ``num_prompts`` for text completions). On any mismatch the plugin logs a
+warning and leaves that target alone, so a vLLM upgrade can only switch the feature off, never
+break the server. Registering twice (vLLM calls plugins in several processes, and forked processes
+inherit patched classes) is a no-op.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvlease_vllm._config import check_vllm_version
 from kvlease_vllm._plugin_stream import ResultTap, annotate_final_chunk
 
 __all__ = ["TARGETS", "PatchTarget", "apply", "is_patched", "register"]
@@ -79,8 +86,15 @@ TARGETS: tuple[PatchTarget, ...] = (
 def register() -> None:
     """vLLM ``general_plugins`` entry point: patch the stream generators once per process.
 
-    Never raises: a failure to import or to verify a target is logged and that target is skipped.
+    Does nothing (one warning) outside the vLLM range kvlease supports: a later vLLM may stream the
+    handle itself (vllm-project/vllm#40186) or have changed the targets. Never raises: a failure to
+    import or to verify a target is logged and that target is skipped.
     """
+    try:
+        check_vllm_version(str(getattr(importlib.import_module("vllm"), "__version__", "")))
+    except Exception as e:
+        logger.warning("kvlease plugin: %s; streams stay stock", e)
+        return
     apply(TARGETS)
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from kvlease.protocol import KV_TRANSFER_PARAMS
 from kvlease_vllm._plugin_stream import DONE_EVENT, ResultTap, annotate_final_chunk, inject_into_event
-from kvlease_vllm.plugin import TARGETS, PatchTarget, apply
+from kvlease_vllm.plugin import TARGETS, PatchTarget, apply, register
 
 HANDLE = {"do_remote_prefill": True, "remote_block_ids": [1, 2], "remote_engine_id": "e"}
 
@@ -306,3 +306,12 @@ def test_targets_match_the_pinned_vllm_names() -> None:
         ("OpenAIServingChat", "chat_completion_stream_generator", False),
         ("OpenAIServingCompletion", "completion_stream_generator", True),
     }
+
+
+def test_register_never_raises(caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM's plugin loader calls register() in every process; without vLLM it only warns."""
+    import importlib.util
+
+    register()
+    if importlib.util.find_spec("vllm") is None:
+        assert "streams stay stock" in caplog.text
