@@ -19,7 +19,6 @@ history changes the blocks after the edit.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 import uuid
 from collections import deque
@@ -102,7 +101,7 @@ def _bad(msg: str, status: int = 400) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
 
 
-@dataclass
+@dataclass(eq=False)
 class FakeNode:
     role: Role
     config: FakeConfig = field(default_factory=FakeConfig)
@@ -129,7 +128,6 @@ class FakeNode:
         self.renew_batches: list[list[str]] = []
         self.port = 0
         self.control_port = 0
-        self._ids = itertools.count()
         self._runners: list[web.AppRunner] = []
 
     # ---- addresses -----------------------------------------------------------------------------
@@ -247,7 +245,7 @@ class FakeNode:
         prompt = _tokens(prompt_text)
         kv = body.get(KV_TRANSFER_PARAMS)
         kv = kv if isinstance(kv, dict) else None
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{self.engine_id}-{next(self._ids)}"
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         reuse: dict[str, Any] | None = None
         if kv is not None and kv.get(KV.DO_REMOTE_DECODE) and kv.get(KV.REMOTE_BLOCK_IDS):
             if cfg.fail_with_handle > 0:

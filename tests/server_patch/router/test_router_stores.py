@@ -1,0 +1,186 @@
+"""State stores: one contract, subclassed per backend (in-memory; a real redis-server)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+from conftest import ClusterFactory, RedisServer, assistant_text
+
+from kvlease.protocol import HEADER_STATUS
+from kvlease_vllm.router import (
+    ConversationState,
+    MemoryStore,
+    RedisStore,
+    StateStore,
+    StoreError,
+    redis_client_from_url,
+)
+
+
+def _state(n: int = 0) -> ConversationState:
+    return ConversationState(
+        decode="http://d",
+        params={"remote_block_ids": [1, 2, n], "remote_engine_id": "e"},
+        lease_id=f"lease-{n}",
+        control="http://c",
+        tokens=32 + n,
+        expires_at=1_900_000_000.0 + n,
+        continuity="abc",
+        prefix_len=3,
+        turns=n + 1,
+    )
+
+
+class StoreContract:
+    """Every backend: round trip, replace, delete returns what it removed, entries vanish after
+    ``keep_for``, and ``get`` does not extend the TTL."""
+
+    @pytest.fixture
+    async def store(self) -> AsyncIterator[StateStore]:
+        raise NotImplementedError
+
+    async def test_roundtrip_and_replace(self, store: StateStore) -> None:
+        assert await store.get("k") is None
+        await store.put("k", _state(1), 30)
+        assert await store.get("k") == _state(1)
+        await store.put("k", _state(2), 30)
+        assert await store.get("k") == _state(2)
+
+    async def test_delete_returns_removed(self, store: StateStore) -> None:
+        await store.put("k", _state(3), 30)
+        assert await store.delete("k") == _state(3)
+        assert await store.get("k") is None
+        assert await store.delete("k") is None
+
+    async def test_entries_expire_after_keep_for(self, store: StateStore) -> None:
+        await store.put("short", _state(), 0.3)
+        await store.put("long", _state(), 30)
+        assert await store.get("short") is not None
+        await asyncio.sleep(0.45)
+        assert await store.get("short") is None
+        assert await store.get("long") is not None
+
+    async def test_get_does_not_extend(self, store: StateStore) -> None:
+        await store.put("k", _state(), 0.4)
+        await asyncio.sleep(0.25)
+        assert await store.get("k") is not None
+        await asyncio.sleep(0.25)
+        assert await store.get("k") is None
+
+    async def test_state_without_handle_roundtrips(self, store: StateStore) -> None:
+        s = _state().without_handle()
+        await store.put("k", s, 30)
+        got = await store.get("k")
+        assert got is not None and got.params is None and got.lease_id is None and got.decode == "http://d"
+
+
+class TestMemoryStore(StoreContract):
+    @pytest.fixture
+    async def store(self) -> AsyncIterator[StateStore]:
+        yield MemoryStore(100)
+
+    async def test_lru_bound_evicts_least_recently_used(self) -> None:
+        store = MemoryStore(3)
+        for k in "abc":
+            await store.put(k, _state(), 30)
+        await store.get("a")  # a is now most recent
+        await store.put("d", _state(), 30)
+        assert await store.get("b") is None and store.evictions == 1
+        assert all([await store.get(k) for k in "acd"])
+        assert len(store) == 3
+
+    async def test_injected_clock(self) -> None:
+        now = [100.0]
+        store = MemoryStore(10, clock=lambda: now[0])
+        await store.put("k", _state(), 5)
+        now[0] = 104.9
+        assert await store.get("k") is not None
+        now[0] = 105.0
+        assert await store.get("k") is None and len(store) == 0
+
+
+@pytest.mark.redis
+class TestRedisStore(StoreContract):
+    @pytest.fixture
+    async def store(self, redis_server: RedisServer) -> AsyncIterator[StateStore]:
+        s = RedisStore(redis_client_from_url(redis_server.url, 1.0), timeout=1.0)
+        yield s
+        await s.close()
+
+    async def test_keys_carry_a_ttl_in_redis(self, redis_server: RedisServer) -> None:
+        client = redis_client_from_url(redis_server.url, 1.0)
+        store = RedisStore(client)
+        await store.put("k", _state(), 42)
+        pttl = await client.pttl("kvlease:conv:k")
+        assert 40_000 < pttl <= 42_000
+        await store.close()
+
+    async def test_dead_redis_raises_store_error_fast_and_backs_off(self, redis_server: RedisServer) -> None:
+        store = RedisStore(redis_client_from_url(redis_server.url, 0.2), timeout=0.2, backoff=5.0)
+        await store.put("k", _state(), 30)
+        redis_server.kill()
+        with pytest.raises(StoreError):
+            await store.get("k")
+        t0 = time.perf_counter()
+        with pytest.raises(StoreError, match="backing off"):
+            await store.get("k")
+        assert time.perf_counter() - t0 < 0.05
+        await store.close()
+
+
+@pytest.mark.redis
+async def test_router_restart_with_redis_keeps_hits(
+    make_cluster: ClusterFactory, redis_server: RedisServer
+) -> None:
+    first = await make_cluster(store=RedisStore(redis_client_from_url(redis_server.url, 1.0), timeout=1.0))
+    msgs = [{"role": "user", "content": "restart me " * 20}]
+    r1, b1 = await first.chat(msgs, cid="survivor")
+    assert r1.headers[HEADER_STATUS] == "first"
+    await first.runner.cleanup()  # the router process goes away; the fakes stay
+    second = await make_cluster(
+        pair=first.pair, store=RedisStore(redis_client_from_url(redis_server.url, 1.0), timeout=1.0)
+    )
+    msgs += [
+        {"role": "assistant", "content": assistant_text(b1, False)},
+        {"role": "user", "content": "again"},
+    ]
+    r2, _ = await second.chat(msgs, cid="survivor")
+    assert r2.headers[HEADER_STATUS] == "hit"
+
+
+@pytest.mark.redis
+async def test_redis_killed_mid_run_degrades_to_misses_without_failed_turns(
+    make_cluster: ClusterFactory, redis_server: RedisServer
+) -> None:
+    store = RedisStore(redis_client_from_url(redis_server.url, 0.2), timeout=0.2, backoff=0.5)
+    cluster = await make_cluster(store=store)
+    convs = {f"k{i}": [{"role": "user", "content": f"conversation {i} " * 10}] for i in range(8)}
+    statuses: list[str] = []
+    failures = 0
+    for turn in range(6):
+        if turn == 3:
+            redis_server.kill()
+        if turn == 5:
+            redis_server.start()
+            await asyncio.sleep(0.6)  # past the back-off
+        results = await asyncio.gather(
+            *(cluster.chat(m, cid=c, stream=turn % 2 == 0) for c, m in convs.items())
+        )
+        for (_cid, msgs), (resp, body) in zip(convs.items(), results):
+            if resp.status != 200:
+                failures += 1
+                continue
+            statuses.append(resp.headers[HEADER_STATUS])
+            msgs += [
+                {"role": "assistant", "content": assistant_text(body, turn % 2 == 0)},
+                {"role": "user", "content": "go"},
+            ]
+    assert failures == 0
+    per_turn = [statuses[i * 8 : (i + 1) * 8] for i in range(6)]
+    assert set(per_turn[0]) == {"first"} and set(per_turn[1]) == {"hit"}
+    assert set(per_turn[3]) == {"error"} and set(per_turn[4]) == {"error"}  # Redis down: recomputed
+    assert set(per_turn[5]) == {"first"}  # a fresh Redis knows nothing: reuse resumes from scratch
+    assert cluster.router.metrics.store_errors._value.get() >= 8
