@@ -22,7 +22,9 @@ app = typer.Typer(
 #: (command name, "module:attribute" of a typer.Typer sub-app). Sub-apps import their heavy
 #: dependencies inside the command functions.
 SUBCOMMANDS: list[tuple[str, str]] = [
+    ("analyze", "kvlease._analyze.cli:analyze_command"),
     ("router", "kvlease_vllm.router.cli:app"),
+    ("stack", "kvlease_vllm.stack.cli:app"),
 ]
 
 

@@ -1,0 +1,31 @@
+"""The local real stack: a vLLM CPU prefill/decode pair with NIXL on 127.0.0.1.
+
+Reading path: :mod:`._config` (the spec, the server command line and environment, pure helpers),
+:mod:`._servers` (start, watch, stop), :mod:`._venv` and :mod:`._model` (provisioning, cached under
+``$KVLEASE_HOME``), :mod:`.cli` (``kvlease stack up|down|status``).
+
+This package never imports vLLM or torch: it drives a separate vLLM venv through subprocesses.
+"""
+
+from __future__ import annotations
+
+from kvlease_vllm.stack._config import Metrics, StackSpec, parse_prometheus
+from kvlease_vllm.stack._model import MODEL_SPECS, ensure_model
+from kvlease_vllm.stack._paths import kvlease_home, venv_python
+from kvlease_vllm.stack._servers import ServerHandle, Stack, StackError
+from kvlease_vllm.stack._venv import ProvisionError, ensure_venv
+
+__all__ = [
+    "MODEL_SPECS",
+    "Metrics",
+    "ProvisionError",
+    "ServerHandle",
+    "Stack",
+    "StackError",
+    "StackSpec",
+    "ensure_model",
+    "ensure_venv",
+    "kvlease_home",
+    "parse_prometheus",
+    "venv_python",
+]

@@ -1,0 +1,116 @@
+"""Build (once, cached) the deterministic local models the stack serves.
+
+``tiny`` is trained briefly so that greedy output depends on the prompt (KV-correctness tests need
+that); ``small`` has random weights and exists for timings (recompute costs more). Both are built
+from local text only, by ``_build_model.py`` run with the vLLM venv's interpreter, into a temporary
+directory renamed into place once complete (a marker file records the spec).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from kvlease_vllm.stack._paths import kvlease_home, models_dir
+from kvlease_vllm.stack._venv import (
+    Progress,
+    ProvisionError,
+    _stderr_progress,
+    ensure_venv,
+    file_lock,
+    run_logged,
+)
+
+MODEL_VERSION = 1
+MARKER = "kvlease-model.json"
+
+_COMMON: dict[str, Any] = {
+    "seed": 0,
+    "corpus_bytes": 6_000_000,
+    "vocab_size": 4096,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "max_position_embeddings": 4096,
+    "train_seq": 256,
+    "train_batch": 16,
+    "lr": 0.002,
+}
+MODEL_SPECS: dict[str, dict[str, Any]] = {
+    "tiny": {
+        **_COMMON,
+        "num_layers": 4,
+        "hidden_size": 256,
+        "intermediate_size": 768,
+        "train_steps": 180,
+        "verify_prompt_dependence": True,
+    },
+    "small": {
+        **_COMMON,
+        "num_layers": 8,
+        "hidden_size": 512,
+        "num_heads": 8,
+        "num_kv_heads": 2,
+        "intermediate_size": 1536,
+        "train_steps": 0,
+        "verify_prompt_dependence": False,
+    },
+}
+
+
+def model_dir(name: str, home: Path | None = None) -> Path:
+    return models_dir(home) / f"{name}-v{MODEL_VERSION}"
+
+
+def _marker(name: str) -> dict[str, Any]:
+    return {"name": name, "version": MODEL_VERSION, "spec": MODEL_SPECS[name]}
+
+
+def model_ready(name: str, home: Path | None = None) -> bool:
+    path = model_dir(name, home)
+    with contextlib.suppress(OSError, ValueError):
+        return bool(json.loads((path / MARKER).read_text()) == _marker(name))
+    return False
+
+
+def ensure_model(
+    name: str = "tiny", home: Path | None = None, *, progress: Progress | None = None, timeout: float = 3600.0
+) -> Path:
+    """Return the directory of model ``name``, building it first if needed (minutes for ``tiny``)."""
+    if name not in MODEL_SPECS:
+        raise ValueError(f"unknown model {name!r}; choose one of {sorted(MODEL_SPECS)}")
+    say = progress or _stderr_progress
+    home = home or kvlease_home()
+    final = model_dir(name, home)
+    if model_ready(name, home):
+        return final
+    python = ensure_venv(home, progress=say)
+    with file_lock(models_dir(home) / f".{name}.lock"):
+        if model_ready(name, home):
+            return final
+        tmp = final.with_name(f".{final.name}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        say(f"building model {name!r} into {final} (no downloads; tiny trains for a few minutes)")
+        t0 = time.monotonic()
+        script = Path(__file__).with_name("_build_model.py")
+        try:
+            run_logged(
+                [str(python), str(script), json.dumps(MODEL_SPECS[name]), str(tmp)],
+                timeout=timeout,
+                progress=say,
+                # Threads that spin at barriers starve everything else on a small, busy machine.
+                env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"},
+            )
+        except ProvisionError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        (tmp / MARKER).write_text(json.dumps(_marker(name)))
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        say(f"model {name!r} built in {time.monotonic() - t0:.0f} s")
+    return final

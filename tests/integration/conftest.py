@@ -1,0 +1,103 @@
+"""Fixtures for the real local stack (vLLM CPU prefill/decode with NIXL on 127.0.0.1).
+
+The fixtures provision what they need on a fresh machine (the vLLM venv and the models, cached
+under ``$KVLEASE_HOME``) and run one pair at a time: ``stack_factory(spec)`` reuses the running
+pair when the spec is equal, else stops it before starting the new one. Everything is stopped at
+the end of the session, also when a test fails.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from kvlease_vllm.stack import Stack, StackSpec, ensure_venv
+
+#: Start-up deadline per server (and for the warm-up turn). Generous: CPU is scarce here.
+STACK_TIMEOUT_S = float(os.environ.get("KVLEASE_STACK_TIMEOUT", "600"))
+
+
+class _StackPool:
+    """Holds at most one running pair."""
+
+    def __init__(self) -> None:
+        self.current: Stack | None = None
+
+    def get(self, spec: StackSpec) -> Stack:
+        cur = self.current
+        if cur is not None and cur.spec == spec and cur.alive():
+            return cur
+        self.close()
+        self.current = Stack.start(spec, timeout=STACK_TIMEOUT_S)
+        return self.current
+
+    def close(self) -> None:
+        if self.current is not None:
+            try:
+                self.current.stop()
+            finally:
+                self.current = None
+
+
+@pytest.fixture(scope="session")
+def stack_factory() -> Iterator[Callable[[StackSpec], Stack]]:
+    """``stack_factory(spec)`` -> a running :class:`Stack` for ``spec`` (one pair at a time)."""
+    pool = _StackPool()
+    try:
+        yield pool.get
+    finally:
+        pool.close()
+
+
+@pytest.fixture()
+def stack(stack_factory: Callable[[StackSpec], Stack]) -> Stack:
+    """The pair with the default spec (tiny trained model, kvlease connector, bidirectional)."""
+    return stack_factory(StackSpec())
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> Path:
+    """The vLLM venv's interpreter (provisioned if missing)."""
+    return ensure_venv()
+
+
+@pytest.fixture(scope="session")
+def run_in_vllm_venv(vllm_python: Path) -> Callable[..., str]:
+    """``run_in_vllm_venv(code_or_path, *args, timeout=300, env=None)`` -> stdout.
+
+    Runs a Python snippet (a string) or file (a :class:`~pathlib.Path`) with the vLLM venv's
+    interpreter, in its own process group; raises ``AssertionError`` with stderr on a non-zero exit.
+    """
+
+    def run(code: str | Path, *args: str, timeout: float = 300.0, env: dict[str, str] | None = None) -> str:
+        cmd = (
+            [str(vllm_python), str(code), *args]
+            if isinstance(code, Path)
+            else [str(vllm_python), "-c", code, *args]
+        )
+        full_env = {**os.environ, **(env or {})}
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=full_env,
+            preexec_fn=os.setpgrp,
+        )
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            out, err = proc.communicate()
+            raise AssertionError(f"timed out after {timeout} s: {cmd[:3]}\n{err[-4000:]}") from None
+        if proc.returncode != 0:
+            raise AssertionError(
+                f"exit {proc.returncode}: {cmd[:3]}\nstdout:\n{out[-2000:]}\nstderr:\n{err[-4000:]}"
+            )
+        return out
+
+    return run

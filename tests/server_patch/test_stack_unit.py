@@ -1,0 +1,332 @@
+"""Pure parts of the local stack: config JSON, command line, environment, Prometheus, busy threads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvlease.protocol import CONTROL_SECRET_ENV
+from kvlease_vllm.stack import Metrics, StackSpec, parse_prometheus
+from kvlease_vllm.stack._config import (
+    busy_threads,
+    kv_transfer_config,
+    parse_task_stat,
+    plugin_names,
+    sample_key,
+    server_command,
+    server_env,
+)
+from kvlease_vllm.stack._paths import source_root
+from kvlease_vllm.stack._venv import changed_pins
+
+# -- kv_transfer_config ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spec", "role", "expected"),
+    [
+        (
+            StackSpec(connector="nixl"),
+            "prefill",
+            {
+                "kv_role": "kv_producer",
+                "kv_buffer_device": "cpu",
+                "kv_connector": "NixlConnector",
+                "kv_connector_extra_config": {
+                    "bidirectional_kv_xfer": True,
+                    "kv_recompute_threshold": 64,
+                    "decoder_kv_blocks_ttl": 120.0,
+                },
+                "kv_load_failure_policy": "recompute",
+            },
+        ),
+        (
+            StackSpec(connector="nixl", bidir=False, ttl=20.0, recompute_threshold=0),
+            "decode",
+            {
+                "kv_role": "kv_consumer",
+                "kv_buffer_device": "cpu",
+                "kv_connector": "NixlConnector",
+                "kv_connector_extra_config": {
+                    "bidirectional_kv_xfer": False,
+                    "kv_recompute_threshold": 0,
+                    "decoder_kv_blocks_ttl": 20.0,
+                },
+            },
+        ),
+        (
+            StackSpec(kvlease={"retention_fraction": 0.5}),
+            "decode",
+            {
+                "kv_role": "kv_consumer",
+                "kv_buffer_device": "cpu",
+                "kv_connector": "KVLeaseConnector",
+                "kv_connector_module_path": "kvlease_vllm.connector",
+                "kv_connector_extra_config": {
+                    "bidirectional_kv_xfer": True,
+                    "kv_recompute_threshold": 64,
+                    "decoder_kv_blocks_ttl": 120.0,
+                    "kvlease": {
+                        "retention_fraction": 0.5,
+                        "control_host": "127.0.0.1",
+                        "control_port": 5555,
+                        "control_secret": "s3cret",
+                    },
+                },
+            },
+        ),
+        (
+            StackSpec(),
+            "prefill",
+            {
+                "kv_role": "kv_producer",
+                "kv_buffer_device": "cpu",
+                "kv_connector": "KVLeaseConnector",
+                "kv_connector_module_path": "kvlease_vllm.connector",
+                "kv_connector_extra_config": {
+                    "bidirectional_kv_xfer": True,
+                    "kv_recompute_threshold": 64,
+                    "decoder_kv_blocks_ttl": 120.0,
+                    "kvlease": {
+                        "control_host": "127.0.0.1",
+                        "control_port": 5555,
+                        "control_secret": "s3cret",
+                    },
+                },
+                "kv_load_failure_policy": "recompute",
+            },
+        ),
+    ],
+)
+def test_kv_transfer_config(spec: StackSpec, role: str, expected: dict[str, object]) -> None:
+    got = kv_transfer_config(spec, role, control_port=5555, control_secret="s3cret")  # type: ignore[arg-type]
+    assert got == expected
+    assert json.loads(json.dumps(got)) == expected  # JSON-able as given to --kv-transfer-config
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"model": "huge"}, "model"),
+        ({"connector": "lmcache"}, "connector"),
+        ({"ttl": 0}, "ttl"),
+        ({"recompute_threshold": -1}, "recompute_threshold"),
+        ({"max_model_len": 4}, "max_model_len"),
+        ({"kvlease": {"control_port": 1}}, "control_port"),
+    ],
+)
+def test_spec_rejects_bad_values(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        StackSpec(**kwargs)  # type: ignore[arg-type]
+
+
+def test_equal_specs_compare_equal() -> None:
+    assert StackSpec(kvlease={"a": 1}) == StackSpec(kvlease={"a": 1})
+    assert StackSpec(kvlease={"a": 1}) != StackSpec(kvlease={"a": 2})
+    assert StackSpec(connector="nixl") != StackSpec()
+
+
+# -- command line and environment --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("prefix_caching", "role", "has_flag"),
+    [(True, "prefill", False), (False, "prefill", True), (False, "decode", False)],
+)
+def test_server_command(prefix_caching: bool, role: str, has_flag: bool) -> None:
+    spec = StackSpec(model="small", prefix_caching=prefix_caching, max_model_len=2048)
+    cmd = server_command("/v/bin/python", spec, role, model_dir="/m", port=8100, kv_config={"a": 1})  # type: ignore[arg-type]
+    assert cmd[:3] == ["/v/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    opts = dict(zip(cmd[3::2], cmd[4::2]))
+    assert opts["--model"] == "/m"
+    assert opts["--served-model-name"] == "small"
+    assert opts["--host"] == "127.0.0.1"
+    assert opts["--port"] == "8100"
+    assert opts["--max-model-len"] == "2048"
+    assert opts["--dtype"] == "bfloat16"
+    assert json.loads(cmd[cmd.index("--kv-transfer-config") + 1]) == {"a": 1}
+    assert "--enforce-eager" in cmd
+    assert ("--no-enable-prefix-caching" in cmd) is has_flag
+
+
+@pytest.mark.parametrize(
+    ("plugin", "base", "installed", "expected"),
+    [
+        (True, {"VLLM_PLUGINS": "x"}, {"kvlease", "lora"}, None),
+        (False, {}, {"kvlease", "lora_a", "lora_b"}, "lora_a,lora_b"),
+        (False, {}, {"kvlease"}, ""),
+        (False, {}, set(), ""),
+    ],
+)
+def test_server_env_plugins(
+    plugin: bool, base: dict[str, str], installed: set[str], expected: str | None
+) -> None:
+    env = server_env(
+        base,
+        StackSpec(plugin=plugin),
+        "decode",
+        side_channel_port=5601,
+        control_secret="k",
+        installed_plugins=installed,
+    )
+    assert env.get("VLLM_PLUGINS") == expected
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5601"
+    assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert env[CONTROL_SECRET_ENV] == "k"
+
+
+def test_server_env_extra_env_wins_and_base_kept() -> None:
+    spec = StackSpec(extra_env={"VLLM_CPU_KVCACHE_SPACE": "2", "FOO": "bar"})
+    env = server_env({"PATH": "/bin"}, spec, "prefill", side_channel_port=1, control_secret="k")
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert env["FOO"] == "bar"
+    assert env["PATH"] == "/bin"
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+
+
+def test_plugin_names_reads_only_vllm_groups() -> None:
+    texts = [
+        "[console_scripts]\nvllm = vllm.entrypoints.cli.main:main\n\n"
+        "[vllm.general_plugins]\nlora_fs = vllm.plugins.x:register\n# comment\n",
+        "[vllm.general_plugins]\nkvlease = kvlease_vllm.plugin:register\n[vllm.platform_plugins]\nplat = p:f\n",
+        "[other.group]\nnot_me = a:b\n",
+    ]
+    assert plugin_names(texts) == {"lora_fs", "kvlease", "plat"}
+
+
+# -- Prometheus --------------------------------------------------------------------------------------
+
+PROM = """\
+# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 128.0
+# HELP vllm:external_prefix_cache_hits_total External prefix cache hits.
+# TYPE vllm:external_prefix_cache_hits_total counter
+vllm:external_prefix_cache_hits_total{engine="0",model_name="tiny"} 64.0
+vllm:external_prefix_cache_hits_total{engine="1",model_name="tiny"} 16.0
+# HELP vllm:num_requests_running Number of requests.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="tiny"} 0.0
+# HELP kvlease_pulls_total Pulls.
+# TYPE kvlease_pulls_total counter
+kvlease_pulls_total{reason="verified"} 3.0
+kvlease_pulls_total{reason="below_threshold"} 2.0
+# TYPE process_open_fds gauge
+process_open_fds 42
+"""
+
+
+def test_parse_prometheus_keys_and_values() -> None:
+    m = parse_prometheus(PROM)
+    assert isinstance(m, Metrics)
+    assert m['vllm:prefix_cache_hits_total{engine="0",model_name="tiny"}'] == 128.0
+    assert m["process_open_fds"] == 42.0
+    assert m['kvlease_pulls_total{reason="verified"}'] == 3.0
+
+
+@pytest.mark.parametrize(
+    ("name", "labels", "expected"),
+    [
+        ("vllm:external_prefix_cache_hits_total", {}, 80.0),
+        ("vllm:external_prefix_cache_hits_total", {"engine": "1"}, 16.0),
+        ("vllm:external_prefix_cache_hits_total", {"engine": "7"}, 0.0),
+        ("kvlease_pulls_total", {}, 5.0),
+        ("kvlease_pulls_total", {"reason": "below_threshold"}, 2.0),
+        ("vllm:num_requests_running", {}, 0.0),
+        ("absent_metric", {}, 0.0),
+    ],
+)
+def test_metrics_total(name: str, labels: dict[str, str], expected: float) -> None:
+    assert parse_prometheus(PROM).total(name, **labels) == expected
+
+
+def test_metrics_names_and_sample_key() -> None:
+    m = parse_prometheus(PROM)
+    assert "vllm:num_requests_running" in m.names()
+    assert sample_key("a", {}) == "a"
+    assert sample_key("a", {"z": "1", "b": "2"}) == 'a{b="2",z="1"}'
+
+
+# -- busy threads ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "interval", "expected"),
+    [
+        # 100 ticks/s: a busy poller uses ~250 ticks in 2.5 s; an idle thread ~0.
+        ({1: 0, 2: 10, 3: 500}, {1: 250, 2: 11, 3: 560}, 2.5, [1]),
+        ({1: 0, 2: 0}, {1: 124, 2: 125}, 2.5, [2]),  # threshold: half a core
+        ({1: 0}, {1: 0, 9: 10_000}, 2.5, []),  # a thread born during the sample is ignored
+        ({1: 0, 2: 0}, {2: 300}, 2.0, [2]),  # a thread that ended is ignored
+        ({}, {}, 1.0, []),
+    ],
+)
+def test_busy_threads(
+    before: dict[int, int], after: dict[int, int], interval: float, expected: list[int]
+) -> None:
+    assert busy_threads(before, after, interval_s=interval, clk_tck=100) == expected
+
+
+def test_busy_threads_rejects_zero_interval() -> None:
+    with pytest.raises(ValueError):
+        busy_threads({}, {}, interval_s=0, clk_tck=100)
+
+
+@pytest.mark.parametrize(
+    ("comm", "utime", "stime"),
+    [("python", 120, 30), ("VLLM::Worker", 5, 7), ("a (b) c", 1000, 1), ("x)", 0, 0)],
+)
+def test_parse_task_stat(comm: str, utime: int, stime: int) -> None:
+    fields = [
+        "S",
+        "1",
+        "2",
+        "3",
+        "0",
+        "-1",
+        "4194560",
+        "0",
+        "0",
+        "0",
+        "0",
+        str(utime),
+        str(stime),
+        "0",
+        "0",
+        "20",
+    ]
+    text = f"1234 ({comm}) " + " ".join(fields) + "\n"
+    assert parse_task_stat(text) == utime + stime
+
+
+def test_parse_task_stat_of_this_process() -> None:
+    tid = Path("/proc/self/task").iterdir().__next__()
+    assert parse_task_stat((tid / "stat").read_text()) >= 0
+
+
+# -- provisioning helpers ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "expected"),
+    [
+        ({"torch": "2.13.0"}, {"torch": "2.13.0", "tenacity": "9.1"}, []),
+        ({"torch": "2.13.0"}, {"torch": "2.14.0"}, [("torch", "2.13.0", "2.14.0")]),
+        ({"numpy": "2.2"}, {}, [("numpy", "2.2", "<removed>")]),
+        ({"kvlease": "0.0.9"}, {"kvlease": "0.1.0"}, []),
+    ],
+)
+def test_changed_pins(
+    before: dict[str, str], after: dict[str, str], expected: list[tuple[str, str, str]]
+) -> None:
+    assert changed_pins(before, after, ignore={"kvlease"}) == expected
+
+
+def test_source_root_is_this_checkout() -> None:
+    root = source_root()
+    assert root is not None
+    assert (root / "server_patch" / "kvlease_vllm" / "stack").is_dir()
