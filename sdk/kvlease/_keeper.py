@@ -79,7 +79,10 @@ class _KeeperBase:
 
     def _wait(self) -> Any:
         p = self.retry
-        return wait_exponential_jitter(initial=p.initial_wait_s, max=p.max_wait_s, jitter=p.jitter_s)
+        try:  # tenacity >= 9.2 names the first wait "multiplier" (and deprecates "initial")
+            return wait_exponential_jitter(multiplier=p.initial_wait_s, max=p.max_wait_s, jitter=p.jitter_s)
+        except TypeError:  # pragma: no cover - older tenacity
+            return wait_exponential_jitter(initial=p.initial_wait_s, max=p.max_wait_s, jitter=p.jitter_s)
 
     def _record(self, table_op: Callable[[], list[str]], what: str) -> None:
         with self.lock:

@@ -88,9 +88,9 @@ class ResponseObserver:
             return
         if self._decoder is not None:
             chunk = self._decoder.decompress(chunk)
-        if b"\r" in chunk:
-            chunk = chunk.replace(b"\r\n", b"\n")
         buf = self._buf + chunk if self._buf else chunk
+        if b"\r" in buf:  # CRLF line ends; a pair split over two chunks meets again in the buffer
+            buf = buf.replace(b"\r\n", b"\n")
         start = 0
         while True:
             end = buf.find(b"\n\n", start)

@@ -119,7 +119,8 @@ class Verdict:
 
     @property
     def reuse_off(self) -> bool:
-        return self.history.breaks_prefix
+        """Send the reuse opt-out: the history breaks the prefix and was not repaired."""
+        return self.history.breaks_prefix and not self.reattached
 
 
 def split_think(content: str | None) -> tuple[str | None, str]:

@@ -75,6 +75,7 @@ class FakeOpenAIServer:
         self._prompt_tokens: dict[str, int] = {}
         self._lock = threading.Lock()
         self._server: ThreadingHTTPServer | None = None
+        self.stopped = False
         self._thread: threading.Thread | None = None
 
     # ----------------------------------------------------------------------------- lifecycle
@@ -89,6 +90,8 @@ class FakeOpenAIServer:
         return self
 
     def stop(self) -> None:
+        """Stop serving: also requests arriving on kept-alive connections get no answer."""
+        self.stopped = True
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
@@ -233,7 +236,14 @@ def _make_handler(fake: FakeOpenAIServer) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(data)
 
+        def _gone(self) -> bool:
+            if fake.stopped:
+                self.close_connection = True
+            return fake.stopped
+
         def do_POST(self) -> None:
+            if self._gone():
+                return
             _, body = self._read()
             headers = {k.lower(): v for k, v in self.headers.items()}
             if self.path in (protocol.CHAT_COMPLETIONS_PATH, protocol.COMPLETIONS_PATH):
@@ -244,6 +254,8 @@ def _make_handler(fake: FakeOpenAIServer) -> type[BaseHTTPRequestHandler]:
                 self._json(404, {"error": {"message": f"no route {self.path}"}})
 
         def do_DELETE(self) -> None:
+            if self._gone():
+                return
             self._read()
             prefix = protocol.CONVERSATIONS_PATH + "/"
             if not self.path.startswith(prefix):

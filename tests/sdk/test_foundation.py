@@ -126,3 +126,44 @@ def test_control_shapes() -> None:
     with pytest.raises(p.ProtocolError, match="ttl"):
         p.ControlRenewRequest.from_json({"request_ids": ["x"], "ttl": -1})
     assert p.ControlRenewRequest.from_json({"request_ids": ["x"], "ttl": 5}).ttl == 5.0
+
+
+def test_public_api_is_pinned() -> None:
+    assert sorted(kvlease.__all__) == [
+        "AssistantReply",
+        "AsyncConversation",
+        "AsyncKVLeaseClient",
+        "AsyncLeaseKeeper",
+        "Conversation",
+        "HistoryClass",
+        "InvalidConversationId",
+        "KVLeaseClient",
+        "KVLeaseError",
+        "KVLeaseWarning",
+        "LeaseError",
+        "LeaseKeeper",
+        "ProtocolError",
+        "RetryPolicy",
+        "ReuseOffWarning",
+        "ReuseStatus",
+        "StripDetector",
+        "ToolCall",
+        "Turn",
+        "TurnLog",
+        "Verdict",
+        "__version__",
+        "protocol",
+        "wrap",
+    ]
+    for name in kvlease.__all__:
+        assert getattr(kvlease, name) is not None
+    assert issubclass(kvlease.LeaseError, kvlease.KVLeaseError)
+    assert issubclass(kvlease.ReuseOffWarning, kvlease.KVLeaseWarning)
+    assert issubclass(kvlease.InvalidConversationId, ValueError)
+
+
+def test_protocol_import_does_not_load_the_http_stack() -> None:
+    code = "import sys, kvlease.protocol; print('openai' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

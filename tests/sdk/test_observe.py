@@ -1,0 +1,136 @@
+"""The response observer: JSON and SSE bodies, fed in arbitrary chunks, read once and incrementally."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvlease import ToolCall
+from kvlease._observe import ResponseObserver
+
+
+def _sse(events: list[dict[str, Any]], *, crlf: bool = False) -> bytes:
+    sep = b"\r\n\r\n" if crlf else b"\n\n"
+    return b"".join(b"data: " + json.dumps(e).encode() + sep for e in events) + b"data: [DONE]" + sep
+
+
+def _chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+    return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+
+STREAM = [
+    _chunk({"role": "assistant", "content": ""}),
+    _chunk({"reasoning_content": "Think"}),
+    _chunk({"reasoning_content": "ing."}),
+    _chunk({"content": "Hello"}),
+    {"choices": [{"index": 1, "delta": {"content": "OTHER CHOICE"}, "finish_reason": None}]},
+    _chunk({"content": " world"}),
+    _chunk(
+        {
+            "tool_calls": [
+                {"index": 0, "id": "c1", "type": "function", "function": {"name": "f", "arguments": ""}}
+            ]
+        }
+    ),
+    _chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"a":'}}]}),
+    _chunk({"tool_calls": [{"index": 0, "function": {"arguments": " 1}"}}]}),
+    _chunk({}, "stop"),
+    {"choices": [], "usage": {"prompt_tokens": 11, "completion_tokens": 7}},
+]
+
+
+def _feed_split(obs: ResponseObserver, body: bytes, cuts: list[int]) -> None:
+    points = sorted({c % (len(body) + 1) for c in cuts})
+    prev = 0
+    for i, p in enumerate([*points, len(body)]):
+        obs.feed(body[prev:p], float(i))
+        prev = p
+
+
+@given(cuts=st.lists(st.integers(min_value=0, max_value=10_000), max_size=40), crlf=st.booleans())
+def test_sse_any_chunking_gives_the_same_reply(cuts: list[int], crlf: bool) -> None:
+    obs = ResponseObserver(sse=True)
+    _feed_split(obs, _sse(STREAM, crlf=crlf), cuts)
+    out = obs.result()
+    assert out.reply is not None
+    assert out.reply.content == "Hello world"
+    assert out.reply.reasoning == "Thinking." and out.reply.reasoning_field == "reasoning_content"
+    assert out.reply.tool_calls == (ToolCall("c1", "f", '{"a": 1}'),)
+    assert (out.prompt_tokens, out.completion_tokens) == (11, 7)
+    assert out.first_token_at is not None
+
+
+def test_sse_first_token_time_is_the_first_generated_piece() -> None:
+    obs = ResponseObserver(sse=True)
+    events = [_chunk({"role": "assistant", "content": ""}), _chunk({"content": "A"}), _chunk({}, "stop")]
+    for t, e in enumerate(events):
+        obs.feed(b"data: " + json.dumps(e).encode() + b"\n\n", 10.0 + t)
+    assert obs.result().first_token_at == 11.0
+
+
+def test_sse_abandoned_stream_has_no_reply() -> None:
+    obs = ResponseObserver(sse=True)
+    obs.feed(_sse(STREAM[:4])[:-20], 1.0)
+    body = _sse(STREAM[:4])
+    obs2 = ResponseObserver(sse=True)
+    obs2.feed(body[: body.index(b"[DONE]") - 6], 1.0)
+    assert obs.result().reply is None and obs2.result().reply is None
+    assert obs2.result().first_token_at == 1.0
+
+
+def test_sse_garbage_events_are_ignored() -> None:
+    obs = ResponseObserver(sse=True)
+    obs.feed(b": comment\n\nevent: x\ndata: {not json\n\ndata: [1, 2]\n\n", 1.0)
+    obs.feed(_sse([_chunk({"content": "ok"}, "stop")]), 2.0)
+    out = obs.result()
+    assert out.reply is not None and out.reply.content == "ok"
+
+
+def test_legacy_completions_stream_and_json() -> None:
+    obs = ResponseObserver(sse=True)
+    events = [{"choices": [{"index": 0, "text": t, "finish_reason": None}]} for t in ("a", "b")]
+    obs.feed(_sse(events), 1.0)
+    assert obs.result().reply is not None and obs.result().reply.content == "ab"  # type: ignore[union-attr]
+    js = ResponseObserver(sse=False)
+    js.feed(
+        json.dumps({"choices": [{"index": 0, "text": "xyz"}], "usage": {"prompt_tokens": 3}}).encode(), 5.0
+    )
+    out = js.result()
+    assert out.reply is not None and out.reply.content == "xyz" and out.prompt_tokens == 3
+
+
+@pytest.mark.parametrize("encoding", [None, "gzip"])
+def test_json_body_in_pieces(encoding: str | None) -> None:
+    body = json.dumps(
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "<think>r</think>c", "tool_calls": None},
+                }
+            ],
+            "usage": {"prompt_tokens": 5, "completion_tokens": 2},
+        }
+    ).encode()
+    if encoding == "gzip":
+        body = gzip.compress(body)
+    obs = ResponseObserver(sse=False, content_encoding=encoding)
+    for i in range(0, len(body), 7):
+        obs.feed(body[i : i + 7], 3.0)
+    out = obs.result()
+    assert out.reply is not None and out.reply.content == "<think>r</think>c"
+    assert (out.prompt_tokens, out.completion_tokens, out.first_token_at) == (5, 2, 3.0)
+
+
+def test_unknown_encoding_and_bad_json_yield_no_reply() -> None:
+    br = ResponseObserver(sse=True, content_encoding="br")
+    br.feed(b"\x8b\x00garbage", 1.0)
+    assert br.result().reply is None and br.result().first_token_at == 1.0
+    bad = ResponseObserver(sse=False)
+    bad.feed(b"{oops", 1.0)
+    assert bad.result().reply is None
