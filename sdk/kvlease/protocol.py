@@ -258,6 +258,12 @@ def common_prefix_blocks(ours: Sequence[str], theirs: Sequence[str]) -> int:
     return n
 
 
+#: Key of an HMAC-SHA256 (hex) that D adds to its ``kvlease`` object when its control secret is set:
+#: over the handle's routing fields and the rest of the ``kvlease`` object, keyed by the shared
+#: control secret. P refuses a handle whose MAC is missing or wrong (a client edited it).
+LEASE_HANDLE_MAC: Final = "mac"
+
+
 @dataclass(frozen=True)
 class LeaseHandleExt:
     """The ``kvlease`` sub-object of D's ``kv_transfer_params``.

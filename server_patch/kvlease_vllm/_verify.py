@@ -13,12 +13,21 @@ rejected with a reason, never an exception into the engine.
 from __future__ import annotations
 
 import enum
+import hmac
+import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 from urllib.parse import urlsplit
 
-from kvlease.protocol import KV, LeaseHandleExt, ProtocolError, block_hashes, common_prefix_blocks
+from kvlease.protocol import (
+    KV,
+    LEASE_HANDLE_MAC,
+    LeaseHandleExt,
+    ProtocolError,
+    block_hashes,
+    common_prefix_blocks,
+)
 
 
 class Reason(str, enum.Enum):
@@ -69,17 +78,48 @@ def _int(v: object) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+_MAC_FIELDS = (
+    KV.REMOTE_ENGINE_ID,
+    KV.REMOTE_REQUEST_ID,
+    KV.REMOTE_HOST,
+    KV.REMOTE_PORT,
+    KV.REMOTE_BLOCK_IDS,
+    KV.REMOTE_NUM_TOKENS,
+    *_PARALLEL_FIELDS,
+)
+
+
+def handle_mac(secret: str, params: Mapping[str, Any]) -> str:
+    """HMAC-SHA256 over a handle's routing fields and its ``kvlease`` object (minus the MAC)."""
+    ext = params.get(KV.KVLEASE)
+    body = {k: params.get(k) for k in _MAC_FIELDS}
+    body[KV.KVLEASE] = (
+        {k: v for k, v in ext.items() if k != LEASE_HANDLE_MAC} if isinstance(ext, Mapping) else ext
+    )
+    msg = json.dumps(body, sort_keys=True, separators=(",", ":"), default=list).encode()
+    return hmac.new(secret.encode(), msg, "sha256").hexdigest()
+
+
 def parse_handle(
     params: Mapping[str, Any],
     *,
     num_groups: int,
     host_allowed: Callable[[str], bool],
     max_parallel: int,
+    secret: str | None = None,
 ) -> RemoteHandle:
-    """Check a pull handle (``do_remote_decode`` with ``remote_block_ids``) or raise HandleRejected."""
+    """Check a pull handle (``do_remote_decode`` with ``remote_block_ids``) or raise HandleRejected.
+
+    With ``secret`` (the shared control secret) the handle must carry D's MAC: nothing a client
+    edits (block ids, engine, host, sizes) is ever used.
+    """
     raw_ext = params.get(KV.KVLEASE)
     if raw_ext is None:
         raise _reject("no kvlease object: the handle cannot be verified", Reason.UNVERIFIABLE)
+    if secret is not None:
+        mac = raw_ext.get(LEASE_HANDLE_MAC) if isinstance(raw_ext, Mapping) else None
+        if not isinstance(mac, str) or not hmac.compare_digest(mac, handle_mac(secret, params)):
+            raise _reject("the handle's MAC is missing or wrong (edited after D issued it)")
     try:
         ext = LeaseHandleExt.from_json(raw_ext)
     except ProtocolError as e:

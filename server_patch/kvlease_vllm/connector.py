@@ -20,7 +20,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvlease import __version__ as KVLEASE_VERSION
-from kvlease.protocol import KV, ControlInfo, Role
+from kvlease.protocol import (
+    KV,
+    LEASE_HANDLE_MAC,
+    PREFILL_REUSE_STATUS,
+    PREFILL_REUSED_TOKENS,
+    ControlInfo,
+    ReuseStatus,
+    Role,
+)
 from kvlease_vllm import _control
 from kvlease_vllm._compat import (
     VLLM_VERSION,
@@ -39,6 +47,7 @@ from kvlease_vllm._verify import (
     Reason,
     RemoteHandle,
     handle_ext,
+    handle_mac,
     parse_handle,
     strip_remote,
     trim_params,
@@ -69,6 +78,22 @@ class _Pull:
     claim: Future[float | None] | None = None
     started: float | None = None  # when (gain, True) was first returned
     tokens: int = 0
+    outcome: Reason | None = None
+
+    def report(self) -> dict[str, Any]:
+        """P's reuse report for the router (``kvlease`` object of P's response params)."""
+        status = _REUSE_STATUS.get(self.outcome or Reason.PULL, ReuseStatus.MISS)
+        hit = self.outcome is Reason.PULL
+        return {PREFILL_REUSED_TOKENS: self.tokens if hit else 0, PREFILL_REUSE_STATUS: status.value}
+
+
+_REUSE_STATUS = {
+    Reason.PULL: ReuseStatus.HIT,
+    Reason.MISMATCH: ReuseStatus.MISMATCH,
+    Reason.LEASE_GONE: ReuseStatus.EXPIRED,
+    Reason.FAILED: ReuseStatus.ERROR,
+    Reason.CLAIM_FAILED: ReuseStatus.ERROR,
+}
 
 
 class KVLeaseScheduler(NixlPullConnectorScheduler):
@@ -161,7 +186,7 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
             return self._decline(request, params, Reason.LOCAL_HIT, "P's prefix cache covers it")
         if pull.started is None:
             trim_params(params, pull.handle, pull.n_blocks)
-            pull.started, pull.tokens = time.perf_counter(), gain
+            pull.started, pull.tokens, pull.outcome = time.perf_counter(), gain, Reason.PULL
             self.metrics.pull_decisions.labels(Reason.PULL.value).inc()
             self.metrics.pulled_tokens.inc(gain)
             logger.info("kvlease %s: pulling %d verified tokens from %s", rid, gain, pull.handle.engine_id)
@@ -174,21 +199,23 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
                 num_groups=len(self.kv_cache_config.transfer_groups),
                 host_allowed=self.cfg.host_allowed,
                 max_parallel=self.cfg.max_remote_parallel,
+                secret=self.secret,
             )
             n = verified_blocks(handle, request.prompt_token_ids or [], request.cache_salt, self.block_size)
         except HandleRejected as e:
-            self._decline(request, params, e.reason, e.detail, warn=e.reason is not Reason.UNVERIFIABLE)
-            return _Pull(None)
+            return self._decline_plan(
+                request, params, e.reason, e.detail, warn=e.reason is not Reason.UNVERIFIABLE
+            )
         verified = n * self.block_size
         self.metrics.verified_tokens.inc(verified)
         self.metrics.trimmed_tokens.inc(max(handle.num_tokens - verified, 0))
         if n == 0:
-            self._decline(request, params, Reason.MISMATCH, f"0 of {len(handle.ext.hashes)} blocks match")
-            return _Pull(None)
+            return self._decline_plan(
+                request, params, Reason.MISMATCH, f"0 of {len(handle.ext.hashes)} blocks match"
+            )
         decision = self.cost.decide(verified - num_computed_tokens, self.kv_recompute_threshold)
         if not decision.pull:
-            self._decline(request, params, decision.reason, decision.describe())
-            return _Pull(None)
+            return self._decline_plan(request, params, decision.reason, decision.describe())
         logger.debug("kvlease %s: %s", request.request_id, decision.describe())
         pull = _Pull(handle, n)
         if self.cfg.claim and handle.ext.control:
@@ -206,12 +233,18 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
         self, request: Request, params: dict[str, Any], reason: Reason, detail: str, *, warn: bool = False
     ) -> tuple[int, bool]:
         strip_remote(params)  # recompute; never contact the decode node for this handle
-        self._pulls[request.request_id] = _Pull(None)
+        self._pulls[request.request_id] = _Pull(None, outcome=reason)
         self.metrics.pull_decisions.labels(reason.value).inc()
         (logger.warning if warn else logger.info)(
             "kvlease %s: recompute (%s): %s", request.request_id, reason.value, detail
         )
         return 0, False
+
+    def _decline_plan(
+        self, request: Request, params: dict[str, Any], reason: Reason, detail: str, *, warn: bool = False
+    ) -> _Pull:
+        self._decline(request, params, reason, detail, warn=warn)
+        return self._pulls[request.request_id]
 
     # ------------------------------------------------------------------ D side
     def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
@@ -221,6 +254,8 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
         if t0 is not None and (pull is None or pull.started is None):
             self.cost.observe_prefill(t0[1], time.perf_counter() - t0[0])
         delay, out = super().request_finished(request, block_ids)
+        if pull is not None and out is not None:
+            out[KV.KVLEASE] = pull.report()
         if not (delay and out and out.get(KV.DO_REMOTE_DECODE) and self.is_bidirectional_kv_xfer_enabled):
             return delay, out
         deadline = out.get(KV.REMOTE_BLOCKS_EXPIRY_TIME)
@@ -243,6 +278,8 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
             control=self.control_url,
         )
         out[KV.KVLEASE] = ext.to_json()
+        if self.secret:
+            out[KV.KVLEASE][LEASE_HANDLE_MAC] = handle_mac(self.secret, out)
         return delay, out
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
@@ -272,6 +309,7 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
             if pull is None or pull.started is None:
                 continue
             if rid in failed:
+                pull.outcome = Reason.FAILED
                 self.metrics.pull_decisions.labels(Reason.FAILED.value).inc()
                 logger.warning("kvlease %s: pull failed; recomputing", rid)
             else:

@@ -7,12 +7,13 @@ from typing import Any
 
 import pytest
 
-from kvlease.protocol import KV, block_hashes
+from kvlease.protocol import KV, LEASE_HANDLE_MAC, block_hashes
 from kvlease_vllm._config import KVLeaseConfig
 from kvlease_vllm._verify import (
     HandleRejected,
     Reason,
     handle_ext,
+    handle_mac,
     parse_handle,
     strip_remote,
     trim_params,
@@ -198,3 +199,46 @@ def test_valid_handle_parses() -> None:
         len(D_TOKENS),
     )
     assert h.block_ids == (tuple(range(100, 111)),)
+
+
+def _signed(**over: Any) -> dict[str, Any]:
+    p = d_params()
+    p[KV.KVLEASE][LEASE_HANDLE_MAC] = handle_mac("k", p)
+    p.update(over)
+    return p
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "ok"),
+    [
+        ("signed", _signed(), True),
+        ("unsigned", d_params(), False),
+        ("block ids edited", _signed(remote_block_ids=[list(range(200, 211))]), False),
+        ("engine edited", _signed(remote_engine_id="engine-x"), False),
+        ("port edited", _signed(remote_port=5602), False),
+        ("tp_size edited", _signed(tp_size=2), False),
+        ("expiry updated by a router: not covered", _signed(remote_blocks_expiry_time=1.0), True),
+    ],
+)
+def test_mac_guards_every_routing_field(name: str, params: dict[str, Any], ok: bool) -> None:
+    cfg = KVLeaseConfig()
+    kw: dict[str, Any] = {
+        "num_groups": 1,
+        "host_allowed": cfg.host_allowed,
+        "max_parallel": 64,
+        "secret": "k",
+    }
+    if ok:
+        assert parse_handle(params, **kw).request_id == "d-req-1", name
+    else:
+        with pytest.raises(HandleRejected, match="MAC"):
+            parse_handle(params, **kw)
+    with pytest.raises(HandleRejected, match="MAC"):
+        parse_handle(_signed(), **{**kw, "secret": "other"})
+
+
+def test_mac_over_edited_hashes_fails() -> None:
+    p = _signed()
+    p[KV.KVLEASE]["hashes"] = list(reversed(p[KV.KVLEASE]["hashes"]))
+    with pytest.raises(HandleRejected, match="MAC"):
+        parse_handle(p, num_groups=1, host_allowed=KVLeaseConfig().host_allowed, max_parallel=64, secret="k")

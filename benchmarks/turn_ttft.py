@@ -1,0 +1,148 @@
+"""Turn-2 prefill time on P: kvlease verified pull vs recompute vs upstream NixlConnector pull.
+
+On the local real stack (vLLM CPU prefill/decode pair with NIXL, the ``small`` model), for a history
+of about 1k, 2k and 3.5k tokens: a conversation's turn 1 runs through P and D, then turn 2 (turn 1 +
+D's answer + a new user message) is sent to P and the wall time of P's ``max_tokens=1`` request is
+measured. Arms:
+
+- ``pull``: with D's handle (kvlease: verified pull; upstream: pull by length),
+- ``recompute``: the same turn 2 without a handle (P recomputes what its prefix cache lacks),
+- ``edited`` (kvlease only): an earlier token of the history edited, so only the blocks before the
+  edit verify; kvlease pulls those and recomputes the rest.
+
+Each configuration runs with P's prefix cache off and on; figures are medians of ``n`` conversations,
+every conversation with its own ``cache_salt``. Run: ``python benchmarks/turn_ttft.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+import uuid
+from typing import Any
+
+import httpx
+
+from kvlease.protocol import KV_TRANSFER_PARAMS, prefill_request_params
+from kvlease_vllm.stack import Stack, StackSpec
+
+TIMEOUT = httpx.Timeout(600.0, connect=10.0)
+GEN = 16
+NEW_TURN = 48
+
+
+def _complete(
+    http: httpx.Client, url: str, model: str, prompt: list[int], params: dict[str, Any], salt: str, n: int
+) -> tuple[dict[str, Any], float]:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": n,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "cache_salt": salt,
+        KV_TRANSFER_PARAMS: params,
+    }
+    t0 = time.perf_counter()
+    r = http.post(url + "/v1/completions", json=body)
+    dt = time.perf_counter() - t0
+    r.raise_for_status()
+    return dict(r.json()), dt
+
+
+def _turn(
+    http: httpx.Client, stack: Stack, prompt: list[int], handle: dict[str, Any] | None, salt: str
+) -> tuple[list[int], dict[str, Any] | None, float]:
+    p, p_time = _complete(
+        http, stack.prefill.url, stack.model_name, prompt, handle or prefill_request_params(), salt, 1
+    )
+    d, _ = _complete(http, stack.decode.url, stack.model_name, prompt, p[KV_TRANSFER_PARAMS], salt, GEN)
+    return list(d["choices"][0]["token_ids"]), d.get(KV_TRANSFER_PARAMS), p_time
+
+
+def _trial(
+    http: httpx.Client, stack: Stack, size: int, rng: random.Random, kvlease: bool
+) -> dict[str, float]:
+    prompt1 = [rng.randrange(200, 4000) for _ in range(size)]
+    new = [rng.randrange(200, 4000) for _ in range(NEW_TURN)]
+    out: dict[str, float] = {}
+    arms = ["pull", "recompute"] + (["edited"] if kvlease else [])
+    for arm in arms:
+        salt = uuid.uuid4().hex
+        gen1, handle, _ = _turn(http, stack, prompt1, None, salt)
+        history = prompt1 + gen1
+        if arm == "edited":
+            history = list(history)
+            history[len(history) // 2] = 4001 if history[len(history) // 2] != 4001 else 4002
+        _, _, p_time = _turn(http, stack, history + new, handle if arm != "recompute" else None, salt)
+        out[arm] = p_time
+    return out
+
+
+def measure(spec: StackSpec, sizes: tuple[int, ...], n: int, seed: int = 0) -> dict[int, dict[str, float]]:
+    """Median P time (ms) per history size and arm for one stack configuration."""
+    rng = random.Random(seed)
+    results: dict[int, dict[str, float]] = {}
+    with Stack.start(spec, timeout=900) as stack, httpx.Client(timeout=TIMEOUT) as http:
+        _trial(http, stack, sizes[0], rng, spec.connector == "kvlease")  # warm-up, not timed
+        for size in sizes:
+            samples: dict[str, list[float]] = {}
+            for _ in range(n):
+                for arm, t in _trial(http, stack, size, rng, spec.connector == "kvlease").items():
+                    samples.setdefault(arm, []).append(t)
+            results[size] = {arm: statistics.median(v) * 1e3 for arm, v in samples.items()}
+            print(
+                f"  {spec.connector:8s} prefix_cache={spec.prefix_caching!s:5s} {size:5d} tokens: "
+                + ", ".join(f"{a} {m:.0f} ms" for a, m in results[size].items()),
+                flush=True,
+            )
+    return results
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    """Run the benchmark; returns ``{"<connector>/prefix_cache=<on|off>": {size: {arm: ms}}}``."""
+    sizes = (1024, 3584) if quick else (1024, 2048, 3584)
+    n = 5 if quick else 7
+    prefix_modes = (False,) if quick else (False, True)
+    out: dict[str, Any] = {"sizes": sizes, "n": n, "model": "small", "results": {}}
+    for prefix in prefix_modes:
+        for connector in ("kvlease", "nixl"):
+            spec = StackSpec(model="small", connector=connector, ttl=600.0, prefix_caching=prefix)  # type: ignore[arg-type]
+            key = f"{connector}/prefix_cache={'on' if prefix else 'off'}"
+            out["results"][key] = measure(spec, sizes, n)
+    return out
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = [f"turn-2 prefill time on P, model {result['model']}, median of {result['n']} (ms)", ""]
+    head = f"{'configuration':28s} {'history':>8s} {'recompute':>10s} {'pull':>8s} {'edited':>8s} {'speedup':>8s}"
+    lines += [head, "-" * len(head)]
+    for key, by_size in result["results"].items():
+        for size, arms in by_size.items():
+            rec, pull = arms.get("recompute", float("nan")), arms.get("pull", float("nan"))
+            edited = arms.get("edited")
+            lines.append(
+                f"{key:28s} {size:8d} {rec:10.0f} {pull:8.0f} "
+                f"{(f'{edited:8.0f}' if edited is not None else '       -')} {rec / pull:7.1f}x"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="two sizes, P prefix cache off only, n=5")
+    ap.add_argument("--json", help="also write the figures to this file")
+    args = ap.parse_args()
+    result = run(quick=args.quick)
+    print(table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
