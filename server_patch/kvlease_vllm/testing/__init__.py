@@ -1,7 +1,8 @@
-"""Test helpers that fake components outside the project (a vLLM prefill/decode pair)."""
+"""Test helpers: a fake vLLM prefill/decode pair (vLLM is outside the project) and a real redis-server."""
 
 from __future__ import annotations
 
+from kvlease_vllm.testing._redis import RedisServer
 from kvlease_vllm.testing.fake_vllm import FakeConfig, FakeNode, FakePair, render_chat
 
-__all__ = ["FakeConfig", "FakeNode", "FakePair", "render_chat"]
+__all__ = ["FakeConfig", "FakeNode", "FakePair", "RedisServer", "render_chat"]

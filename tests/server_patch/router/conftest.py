@@ -2,15 +2,8 @@
 
 from __future__ import annotations
 
-import os
-import shutil
-import socket
-import subprocess
-import tempfile
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -26,7 +19,7 @@ from kvlease_vllm.router import (
     create_app,
 )
 from kvlease_vllm.router._core import Router
-from kvlease_vllm.testing import FakeConfig, FakePair
+from kvlease_vllm.testing import FakeConfig, FakePair, RedisServer
 
 SECRET = "fake-secret"
 
@@ -140,75 +133,13 @@ async def cluster(make_cluster: ClusterFactory) -> Cluster:
     return await make_cluster()
 
 
-# ---- a real redis-server per test session ---------------------------------------------------------
-
-
-@dataclass
-class RedisServer:
-    port: int
-    proc: subprocess.Popen[bytes]
-    dir: Path
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, 9)
-            self.proc.wait(10)
-
-    def start(self) -> None:
-        self.proc = _spawn_redis(self.port, self.dir)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _spawn_redis(port: int, workdir: Path) -> subprocess.Popen[bytes]:
-    binary = shutil.which("redis-server")
-    assert binary is not None
-    proc = subprocess.Popen(
-        [
-            binary,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(workdir),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        process_group=0,
-    )
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
-                s.sendall(b"PING\r\n")
-                if s.recv(16).startswith(b"+PONG"):
-                    return proc
-        except OSError:
-            time.sleep(0.05)
-    os.killpg(proc.pid, 9)
-    raise RuntimeError("redis-server did not start within 10 s")
+# ---- a real redis-server per test ------------------------------------------------------------------
 
 
 @pytest.fixture
 def redis_server() -> Iterator[RedisServer]:
-    if shutil.which("redis-server") is None:
+    if not RedisServer.available():
         pytest.skip("redis-server binary not installed (apt-get install redis-server)")
-    workdir = Path(tempfile.mkdtemp(prefix="kvlease-redis-"))
-    port = _free_port()
-    server = RedisServer(port, _spawn_redis(port, workdir), workdir)
+    server = RedisServer.start()
     yield server
-    server.kill()
-    shutil.rmtree(workdir, ignore_errors=True)
+    server.stop()

@@ -7,7 +7,7 @@ import time
 from collections.abc import AsyncIterator
 
 import pytest
-from conftest import ClusterFactory, RedisServer, assistant_text
+from conftest import ClusterFactory, assistant_text
 
 from kvlease.protocol import HEADER_STATUS
 from kvlease_vllm.router import (
@@ -18,6 +18,7 @@ from kvlease_vllm.router import (
     StoreError,
     redis_client_from_url,
 )
+from kvlease_vllm.testing import RedisServer
 
 
 def _state(n: int = 0) -> ConversationState:
@@ -164,7 +165,7 @@ async def test_redis_killed_mid_run_degrades_to_misses_without_failed_turns(
         if turn == 3:
             redis_server.kill()
         if turn == 5:
-            redis_server.start()
+            redis_server.restart()
             await asyncio.sleep(0.6)  # past the back-off
         results = await asyncio.gather(
             *(cluster.chat(m, cid=c, stream=turn % 2 == 0) for c, m in convs.items())
