@@ -303,7 +303,10 @@ class Tracker:
             turn_ttft = p.header_at - p.t0
         with self._lock:
             if verdict is not None:
-                state.detector.record(verdict, obs.reply if complete else None)
+                # the observer has a reply only once it saw the whole of it ([DONE] / finish_reason);
+                # openai's sync Stream closes right after [DONE] without draining, so `complete`
+                # is False on every normal sync stream and cannot be the test here
+                state.detector.record(verdict, obs.reply)
             turn = Turn(
                 index=len(state.turns),
                 conversation_id=state.id,
