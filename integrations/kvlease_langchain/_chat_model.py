@@ -372,8 +372,9 @@ class ChatKVLease(BaseChatOpenAI):
         wire_messages = payload.get("messages")
         if isinstance(wire_messages, list):
             _reasoning.flatten_assistant_text(wire_messages)
+            messages = self._convert_input(input_).to_messages()
+            _reasoning.restore_tool_arguments(wire_messages, messages)
             if self.reasoning_policy == "keep":
-                messages = self._convert_input(input_).to_messages()
                 _reasoning.attach_reasoning(
                     wire_messages, messages, self._reasoning_field or _reasoning.REASONING_FIELDS[-1]
                 )
@@ -460,9 +461,12 @@ class ChatKVLease(BaseChatOpenAI):
         for generation, choice in zip(result.generations, wire_choices):
             message = generation.message
             message.response_metadata["model_provider"] = _reasoning.MODEL_PROVIDER
-            found = _reasoning.reasoning_from_wire(
-                choice.get("message") if isinstance(choice, dict) else None
-            )
+            wire_message = choice.get("message") if isinstance(choice, dict) else None
+            if isinstance(wire_message, dict) and (
+                raw := _reasoning.raw_tool_arguments(wire_message.get("tool_calls"))
+            ):
+                message.additional_kwargs[_reasoning.RAW_TOOL_ARGUMENTS_KEY] = raw
+            found = _reasoning.reasoning_from_wire(wire_message)
             if found is not None:
                 field, text = found
                 self._reasoning_field = field
@@ -487,7 +491,10 @@ class ChatKVLease(BaseChatOpenAI):
         message.response_metadata["model_provider"] = _reasoning.MODEL_PROVIDER
         choices = chunk.get("choices") or (chunk.get("chunk") or {}).get("choices") or []
         if choices and isinstance(message, AIMessageChunk):
-            found = _reasoning.reasoning_from_wire(choices[0].get("delta"))
+            delta = choices[0].get("delta") or {}
+            if raw := _reasoning.raw_tool_arguments(delta.get("tool_calls")):
+                message.additional_kwargs[_reasoning.RAW_TOOL_ARGUMENTS_KEY] = raw
+            found = _reasoning.reasoning_from_wire(delta)
             if found is not None:
                 field, text = found
                 self._reasoning_field = field

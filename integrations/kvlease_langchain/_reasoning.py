@@ -9,12 +9,19 @@ On the way back, the assistant message is sent with its reasoning under the fiel
 used (recorded in ``response_metadata["reasoning_field"]``), so that the rendered prompt of the next
 turn extends the previous one token for token and the decode node's KV stays reusable.
 
+Tool calls get the same care: LangChain keeps parsed arguments and re-serializes them with
+``json.dumps`` when the message goes back, which need not match the string the server produced
+(spacing, key order, escapes). The raw argument strings are kept in
+``additional_kwargs["tool_call_arguments"]`` (``{"<index>": "<arguments>"}``, which merges chunk by
+chunk) and restored on the way out whenever they still parse to the same arguments.
+
 The dict-level functions are pure; the translator at the bottom plugs into langchain-core's
 ``content_blocks`` registry under the provider name ``kvlease``.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
@@ -36,6 +43,9 @@ LC_REASONING_KEY = "reasoning_content"
 
 #: ``response_metadata`` key naming the server's field (``"reasoning"`` or ``"reasoning_content"``).
 REASONING_FIELD_KEY = "reasoning_field"
+
+#: ``additional_kwargs`` key of the raw tool-call argument strings, by tool-call index.
+RAW_TOOL_ARGUMENTS_KEY = "tool_call_arguments"
 
 #: ``response_metadata["model_provider"]`` of messages made by ``ChatKVLease``.
 MODEL_PROVIDER = "kvlease"
@@ -97,6 +107,54 @@ def attach_reasoning(
         wire[field if field in REASONING_FIELDS else default_field] = text
         attached += 1
     return attached
+
+
+def raw_tool_arguments(tool_calls: object) -> dict[str, str]:
+    """``{"<index>": "<arguments>"}`` of a response's ``tool_calls`` or of one stream delta's.
+
+    Stream deltas carry ``index`` and a piece of the arguments; whole messages are indexed by position.
+    """
+    if not isinstance(tool_calls, list):
+        return {}
+    out: dict[str, str] = {}
+    for position, call in enumerate(tool_calls):
+        if not isinstance(call, Mapping):
+            continue
+        function = call.get("function")
+        arguments = function.get("arguments") if isinstance(function, Mapping) else None
+        index = call.get("index", position)
+        if isinstance(arguments, str) and arguments and isinstance(index, int):
+            out[str(index)] = arguments
+    return out
+
+
+def restore_tool_arguments(
+    wire_messages: Sequence[MutableMapping[str, Any]], messages: Sequence[BaseMessage]
+) -> int:
+    """Send tool-call arguments back as the server wrote them; returns how many were restored.
+
+    A raw string replaces LangChain's re-serialization only when it parses to the same arguments
+    (so edited arguments are sent as edited).
+    """
+    restored = 0
+    for wire, message in zip(wire_messages, messages):
+        raw = message.additional_kwargs.get(RAW_TOOL_ARGUMENTS_KEY)
+        calls = wire.get("tool_calls")
+        if not isinstance(message, AIMessage) or not isinstance(raw, Mapping) or not isinstance(calls, list):
+            continue
+        for index, (call, parsed) in enumerate(zip(calls, message.tool_calls)):
+            text = raw.get(str(index))
+            function = call.get("function") if isinstance(call, MutableMapping) else None
+            if not isinstance(text, str) or not isinstance(function, MutableMapping):
+                continue
+            try:
+                same = json.loads(text) == parsed["args"]
+            except ValueError:
+                continue
+            if same and function.get("arguments") != text:
+                function["arguments"] = text
+                restored += 1
+    return restored
 
 
 def flatten_assistant_text(wire_messages: Sequence[MutableMapping[str, Any]]) -> None:

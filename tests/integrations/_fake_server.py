@@ -3,7 +3,8 @@
 It stands in for the remote server only (router + vLLM): answers ``/v1/chat/completions`` (JSON and
 SSE), the lease API (renew, release) and sets the kvlease response headers the way the router does:
 ``first`` on a conversation's first turn, ``hit`` after, ``disabled`` when the client sent the reuse
-opt-out, ``no-id`` without an id. Every request is recorded (path, headers, JSON body) for the tests
+opt-out, ``expired`` when the lease (``ttl`` seconds, renewed by ``POST /v1/kvlease/renew``) ran out
+before the turn, ``no-id`` without an id. Every request is recorded (path, headers, JSON body) for the tests
 to assert on.
 
 Replies: scripted ones (``server.script(Reply(...))``) are used first, in order; otherwise the
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -28,7 +30,8 @@ from kvlease import protocol as p
 class Reply:
     content: str = ""
     reasoning: str | None = None
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # [{"name":..., "arguments": {...}}]
+    # [{"name": ..., "arguments": {...} | "<raw JSON string>"}]
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str | None = None
 
 
@@ -63,6 +66,7 @@ class FakeRouter:
         self.requests: list[Recorded] = []
         self._scripted: deque[Reply] = deque()
         self._turns: dict[str, int] = {}
+        self._deadline: dict[str, float] = {}  # lease expiry per conversation (time.monotonic)
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
         self._server.daemon_threads = True
@@ -88,6 +92,10 @@ class FakeRouter:
         with self._lock:
             self._scripted.extend(replies)
 
+    def renew_requests(self) -> list[Recorded]:
+        with self._lock:
+            return [r for r in self.requests if r.path == p.RENEW_PATH]
+
     def chat_requests(self) -> list[Recorded]:
         with self._lock:
             return [r for r in self.requests if r.path == p.CHAT_COMPLETIONS_PATH]
@@ -106,11 +114,16 @@ class FakeRouter:
         cid = headers.get(p.HEADER_CONVERSATION_ID.lower())
         if cid is None:
             return {p.HEADER_STATUS: p.ReuseStatus.NO_ID.value, p.HEADER_REUSED_TOKENS: "0"}
+        now = time.monotonic()
         with self._lock:
             turn = self._turns.get(cid, 0)
             self._turns[cid] = turn + 1
+            expired = turn > 0 and now > self._deadline.get(cid, 0.0)
+            self._deadline[cid] = now + self.ttl
         if headers.get(p.HEADER_REUSE.lower(), "").lower() == p.REUSE_OFF:
             status, reused = p.ReuseStatus.DISABLED, 0
+        elif expired:
+            status, reused = p.ReuseStatus.EXPIRED, 0
         elif turn == 0:
             status, reused = p.ReuseStatus.FIRST, 0
         else:
@@ -130,7 +143,7 @@ class FakeRouter:
                 {
                     "id": f"call_{i}",
                     "type": "function",
-                    "function": {"name": tc["name"], "arguments": json.dumps(tc.get("arguments", {}))},
+                    "function": {"name": tc["name"], "arguments": _arguments(tc)},
                 }
                 for i, tc in enumerate(reply.tool_calls)
             ]
@@ -177,19 +190,11 @@ class FakeRouter:
         for piece in _pieces(reply.content):
             yield chunk({"content": piece})
         for i, tc in enumerate(reply.tool_calls):
-            args = json.dumps(tc.get("arguments", {}))
-            yield chunk(
-                {
-                    "tool_calls": [
-                        {
-                            "index": i,
-                            "id": f"call_{i}",
-                            "type": "function",
-                            "function": {"name": tc["name"], "arguments": args},
-                        }
-                    ]
-                }
-            )
+            # like vLLM: id, type and name first, then the arguments in pieces
+            head = {"index": i, "id": f"call_{i}", "type": "function", "function": {"name": tc["name"]}}
+            yield chunk({"tool_calls": [head]})
+            for piece in _pieces(_arguments(tc)):
+                yield chunk({"tool_calls": [{"index": i, "function": {"arguments": piece}}]})
         yield chunk({}, full["choices"][0]["finish_reason"])
         if (body.get("stream_options") or {}).get("include_usage"):
             yield {**base, "choices": [], "usage": full["usage"]}
@@ -252,10 +257,15 @@ class FakeRouter:
                     except p.ProtocolError as e:
                         self._json(400, {"error": {"message": str(e)}})
                         return
+                    now = time.monotonic()
+                    leases: dict[str, float | None] = {}
                     with router._lock:
-                        leases = {
-                            c: (router.ttl if c in router._turns else None) for c in req.conversation_ids
-                        }
+                        for c in req.conversation_ids:
+                            if now <= router._deadline.get(c, 0.0):
+                                router._deadline[c] = now + router.ttl
+                                leases[c] = router.ttl
+                            else:
+                                leases[c] = None  # unknown or already expired
                     self._json(200, p.RenewResponse(leases, ttl=router.ttl).to_json())
                 else:
                     self._json(404, {"error": {"message": f"no route {self.path}"}})
@@ -267,6 +277,7 @@ class FakeRouter:
                     cid = self.path[len(prefix) :]
                     with router._lock:
                         known = router._turns.pop(cid, None) is not None
+                        router._deadline.pop(cid, None)
                     self._json(200, {"conversation_id": cid, "released": known})
                 else:
                     self._json(404, {"error": {"message": f"no route {self.path}"}})
@@ -281,6 +292,12 @@ class FakeRouter:
                     self._json(404, {"error": {"message": f"no route {self.path}"}})
 
         return Handler
+
+
+def _arguments(tool_call: dict[str, Any]) -> str:
+    """A scripted tool call's arguments: a string is sent as it is, anything else as JSON."""
+    arguments = tool_call.get("arguments", {})
+    return arguments if isinstance(arguments, str) else json.dumps(arguments)
 
 
 def _pieces(text: str, size: int = 4) -> list[str]:

@@ -128,3 +128,43 @@ def test_translator_on_chunks_and_without_reasoning() -> None:
     assert chunk.content_blocks == [{"type": "reasoning", "reasoning": "thi"}]
     plain = AIMessage("a", response_metadata={"model_provider": r.MODEL_PROVIDER})
     assert [b["type"] for b in plain.content_blocks] == ["text"]
+
+
+@pytest.mark.parametrize(
+    ("tool_calls", "expected"),
+    [
+        ([{"id": "a", "function": {"name": "f", "arguments": '{"x":1}'}}], {"0": '{"x":1}'}),
+        ([{"index": 1, "function": {"arguments": '"y"}'}}], {"1": '"y"}'}),  # a stream delta
+        ([{"index": 0, "id": "a", "function": {"name": "f"}}], {}),  # head delta: no arguments yet
+        ([{"function": {"arguments": ""}}], {}),
+        (None, {}),
+        ("x", {}),
+    ],
+)
+def test_raw_tool_arguments(tool_calls: object, expected: dict) -> None:
+    assert r.raw_tool_arguments(tool_calls) == expected
+
+
+def _call_msg(args: dict, raw: str | None) -> AIMessage:
+    kwargs = {r.RAW_TOOL_ARGUMENTS_KEY: {"0": raw}} if raw is not None else {}
+    return AIMessage("", additional_kwargs=kwargs, tool_calls=[{"name": "f", "args": args, "id": "c0"}])
+
+
+def _wire(arguments: str) -> dict:
+    return {"role": "assistant", "content": None, "tool_calls": [{"id": "c0", "type": "function", "function": {"name": "f", "arguments": arguments}}]}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("message", "sent", "expected", "count"),
+    [
+        (_call_msg({"x": 1}, '{"x":1}'), '{"x": 1}', '{"x":1}', 1),  # restored
+        (_call_msg({"x": 2}, '{"x":1}'), '{"x": 2}', '{"x": 2}', 0),  # edited args stay edited
+        (_call_msg({"x": 1}, "not json"), '{"x": 1}', '{"x": 1}', 0),
+        (_call_msg({"x": 1}, None), '{"x": 1}', '{"x": 1}', 0),
+        (_call_msg({"x": 1}, '{"x": 1}'), '{"x": 1}', '{"x": 1}', 0),  # already identical
+    ],
+)
+def test_restore_tool_arguments(message: AIMessage, sent: str, expected: str, count: int) -> None:
+    wires = [_wire(sent)]
+    assert r.restore_tool_arguments(wires, [message]) == count
+    assert wires[0]["tool_calls"][0]["function"]["arguments"] == expected
