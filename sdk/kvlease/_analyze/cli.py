@@ -1,0 +1,124 @@
+"""``kvlease analyze FILE``: the command (registered in ``kvlease.cli.SUBCOMMANDS``)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+from kvlease._analyze._api import analyze
+from kvlease._analyze._formats import (
+    MOONCAKE_BLOCK_SIZE,
+    FormatDetectionError,
+    InputFormat,
+    MalformedInputError,
+)
+from kvlease._analyze._model import DEFAULT_MAX_IDLE, DEFAULT_REORDER_WINDOW, DEFAULT_TTL
+from kvlease._analyze._report import render, to_json_text
+
+
+def analyze_command(
+    file: Path = typer.Argument(
+        ...,
+        exists=True,
+        dir_okay=False,
+        readable=True,
+        help="Turn log, request log, vLLM stats or Mooncake trace.",
+    ),
+    ttl: float = typer.Option(
+        DEFAULT_TTL, "--ttl", min=0, help="Fixed TTL of retained decode KV, seconds (vLLM's default 480)."
+    ),
+    max_idle: float = typer.Option(
+        DEFAULT_MAX_IDLE, "--max-idle", min=0, help="Longest idle gap heartbeat leases would cover, seconds."
+    ),
+    input_format: InputFormat | None = typer.Option(
+        None, "--format", case_sensitive=False, help="Input format; detected from the first lines if omitted."
+    ),
+    strict: bool = typer.Option(False, "--strict", help="Fail on the first malformed record (exit 1)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
+    plot: Path | None = typer.Option(
+        None, "--plot", dir_okay=False, help="Write a PNG: gaps against TTL/max-idle, share per turn index."
+    ),
+    reorder_window: int = typer.Option(
+        DEFAULT_REORDER_WINDOW,
+        "--reorder-window",
+        min=0,
+        help="Turns per conversation that may arrive out of order.",
+    ),
+    mooncake_block_size: int = typer.Option(
+        MOONCAKE_BLOCK_SIZE, "--mooncake-block-size", min=1, help="Tokens per hash id in Mooncake traces."
+    ),
+) -> None:
+    """Would this traffic benefit from kvlease (bidirectional KV transfer with renewable leases)?
+
+    Reads the file as a stream and reports follow-up turns, the repeated prompt share, how many turns arrive after the TTL and how many heartbeat leases would recover, the prefill tokens saved, and a recommendation.
+    """
+    err = Console(stderr=True)
+    if max_idle < ttl:
+        raise typer.BadParameter(
+            f"--max-idle ({max_idle:g}) must be at least --ttl ({ttl:g})", param_hint="--max-idle"
+        )
+    if plot is not None:
+        from kvlease._analyze._plot import PlotUnavailableError, _matplotlib
+
+        try:
+            _matplotlib()  # fail before a long read, not after
+        except PlotUnavailableError as e:
+            err.print(f"[red]error:[/red] {e}")
+            raise typer.Exit(1) from None
+
+    show_progress = not as_json and err.is_terminal
+    try:
+        if show_progress:
+            with Progress(
+                "[progress.description]{task.description}",
+                BarColumn(),
+                DownloadColumn(),
+                TransferSpeedColumn(),
+                TimeRemainingColumn(),
+                console=err,
+                transient=True,
+            ) as bar:
+                task = bar.add_task(f"reading {file.name}", total=file.stat().st_size)
+                report = analyze(
+                    file,
+                    ttl=ttl,
+                    max_idle=max_idle,
+                    format=input_format,
+                    strict=strict,
+                    reorder_window=reorder_window,
+                    mooncake_block_size=mooncake_block_size,
+                    progress=lambda done: bar.update(task, completed=done),
+                )
+        else:
+            report = analyze(
+                file,
+                ttl=ttl,
+                max_idle=max_idle,
+                format=input_format,
+                strict=strict,
+                reorder_window=reorder_window,
+                mooncake_block_size=mooncake_block_size,
+            )
+    except FormatDetectionError as e:
+        err.print(f"[red]error:[/red] {e}", highlight=False)
+        raise typer.Exit(2) from None
+    except MalformedInputError as e:
+        err.print(f"[red]error:[/red] {file}: {e} (--strict)", highlight=False)
+        raise typer.Exit(1) from None
+
+    if as_json:
+        sys.stdout.write(to_json_text(report) + "\n")
+        if report.input.malformed:
+            err.print(f"warning: {report.input.malformed:,} malformed records skipped", highlight=False)
+    else:
+        render(report, Console())
+    if plot is not None:
+        from kvlease._analyze._plot import plot_report
+
+        plot_report(report, plot)
+        if not as_json:
+            err.print(f"plot written to {plot}", highlight=False)
