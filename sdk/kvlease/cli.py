@@ -23,6 +23,7 @@ app = typer.Typer(
 #: dependencies inside the command functions.
 SUBCOMMANDS: list[tuple[str, str]] = [
     ("analyze", "kvlease._analyze.cli:analyze_command"),
+    ("demo", "kvlease_vllm.demo:demo"),
     ("router", "kvlease_vllm.router.cli:app"),
     ("stack", "kvlease_vllm.stack.cli:app"),
 ]
