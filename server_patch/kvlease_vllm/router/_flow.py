@@ -439,8 +439,13 @@ async def _relay_stream(
                 pending, got = _rewrite_events(pending)
                 params = got if got is not None else params
             await resp.write(pending)
-    except (ConnectionResetError, asyncio.CancelledError):
+    except ConnectionResetError:
         upstream.close()  # client went away: drop the upstream connection, do not pool it
+        await _forget_handle(router, turn, node)  # the old handle was spent; D aborted the new one
+        _finish(router, turn, node, t0)
+        return resp
+    except asyncio.CancelledError:
+        upstream.close()
         _finish(router, turn, node, t0)
         raise
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:

@@ -156,7 +156,7 @@ async def test_router_restart_with_redis_keeps_hits(
 async def test_redis_killed_mid_run_degrades_to_misses_without_failed_turns(
     make_cluster: ClusterFactory, redis_server: RedisServer
 ) -> None:
-    store = RedisStore(redis_client_from_url(redis_server.url, 0.2), timeout=0.2, backoff=0.5)
+    store = RedisStore(redis_client_from_url(redis_server.url, 2.0), timeout=2.0, backoff=0.5)
     cluster = await make_cluster(store=store)
     convs = {f"k{i}": [{"role": "user", "content": f"conversation {i} " * 10}] for i in range(8)}
     statuses: list[str] = []
