@@ -106,7 +106,7 @@ def measure(spec: StackSpec, sizes: tuple[int, ...], n: int, seed: int = 0) -> d
 def run(quick: bool = False) -> dict[str, Any]:
     """Run the benchmark; returns ``{"<connector>/prefix_cache=<on|off>": {size: {arm: ms}}}``."""
     sizes = (1024, 3584) if quick else (1024, 2048, 3584)
-    n = 5 if quick else 7
+    n = 5
     prefix_modes = (False,) if quick else (False, True)
     out: dict[str, Any] = {"sizes": sizes, "n": n, "model": "small", "results": {}}
     for prefix in prefix_modes:

@@ -167,9 +167,8 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
         pull = self._pulls.get(rid)
         if pull is None:
             pull = self._pulls[rid] = self._plan(request, params, num_computed_tokens)
-            if pull.handle is None:
-                return 0, False
-        assert pull.handle is not None
+        if pull.handle is None:  # declined: the handle was stripped from params
+            return 0, False
         if pull.claim is not None:
             if not pull.claim.done():
                 return None, False  # type: ignore[return-value]  # vLLM: "ask again next step"
