@@ -7,7 +7,9 @@ order, ~100 bytes a line), then runs the analyzer in fresh subprocesses and prin
   with orjson, and with the standard library's json (orjson blocked, the real fallback path);
 * ``peak_rss_mib`` of the analysing process, for the log and for a log twice as long with the same
   conversations: memory should depend on the conversations, not on the file size;
-* ``tracemalloc_peak_mib``: peak Python allocations during the analysis of the log.
+* ``tracemalloc_peak_mib``: peak Python allocations during the analysis of the log;
+* the same with ``reorder_window=0`` (input known to be sorted per conversation): the window's
+  pending turns are most of the per-conversation state.
 
 Goal: >= 200k lines/s; memory independent of file size beyond the per-conversation state.
 Run: ``python benchmarks/analyze_throughput.py [--quick] [--lines N] [--conversations C]``.
@@ -25,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from kvlease._analyze._model import DEFAULT_REORDER_WINDOW
 
 GOAL_LINES_PER_S = 200_000
 
@@ -46,7 +50,7 @@ base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 if trace:
     tracemalloc.start()
 t0, c0 = time.perf_counter(), time.process_time()
-report = analyze(sys.argv[1])
+report = analyze(sys.argv[1], reorder_window=int(sys.argv[4]))
 wall, cpu = time.perf_counter() - t0, time.process_time() - c0
 peak = tracemalloc.get_traced_memory()[1] if trace else None
 print(json.dumps({
@@ -80,9 +84,11 @@ def generate_log(path: Path, lines: int, conversations: int, seed: int = 1) -> i
     return path.stat().st_size
 
 
-def _measure(path: Path, backend: str, trace: bool = False) -> dict[str, Any]:
+def _measure(
+    path: Path, backend: str, trace: bool = False, window: int = DEFAULT_REORDER_WINDOW
+) -> dict[str, Any]:
     proc = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(path), backend, "trace" if trace else "-"],
+        [sys.executable, "-c", _CHILD, str(path), backend, "trace" if trace else "-", str(window)],
         capture_output=True,
         text=True,
         timeout=1800,
@@ -105,6 +111,8 @@ def run(quick: bool = False, lines: int | None = None, conversations: int | None
         slow = _measure(log, "json")
         double = _measure(log2, "orjson")
         traced = _measure(log, "orjson", trace=True)
+        no_window = _measure(log, "orjson", window=0)
+        no_window_traced = _measure(log, "orjson", trace=True, window=0)
     result = {
         "lines": n,
         "conversations": convs,
@@ -122,6 +130,12 @@ def run(quick: bool = False, lines: int | None = None, conversations: int | None
             "backend": slow["backend"],
             "lines_per_s": round(n / slow["wall_s"]),
             "lines_per_cpu_s": round(n / slow["cpu_s"]),
+        },
+        "reorder_window": DEFAULT_REORDER_WINDOW,
+        "orjson_window_0": {
+            "lines_per_s": round(n / no_window["wall_s"]),
+            "peak_rss_mib": round(no_window["peak_rss_kib"] / 1024, 1),
+            "tracemalloc_bytes_per_conversation": round(no_window_traced["tracemalloc_peak"] / convs),
         },
         "peak_rss_mib": round(fast["peak_rss_kib"] / 1024, 1),
         "peak_rss_mib_2x_lines": round(double["peak_rss_kib"] / 1024, 1),
