@@ -456,7 +456,10 @@ class ChatKVLease(BaseChatOpenAI):
         if isinstance(response, dict):
             wire_choices = response.get("choices") or []
         else:
-            wire_choices = [c.message.model_dump() for c in getattr(response, "choices", None) or []]
+            wire_choices = [
+                c.message.model_dump(exclude={"parsed"}, warnings=False)
+                for c in getattr(response, "choices", None) or []
+            ]
             wire_choices = [{"message": m} for m in wire_choices]
         for generation, choice in zip(result.generations, wire_choices):
             message = generation.message
