@@ -230,3 +230,40 @@ def test_progress_reports_bytes(tmp_path: Path) -> None:
     seen: list[int] = []
     r = analyze(DATA / "agents.jsonl", progress=seen.append)
     assert seen and seen[-1] == r.input.bytes_read == (DATA / "agents.jsonl").stat().st_size
+
+
+def test_reads_the_turn_log_the_sdk_writes(tmp_path: Path) -> None:
+    from kvlease._core import Turn
+    from kvlease._strip import HistoryClass
+    from kvlease._turnlog import TurnLog
+    from kvlease.protocol import ReuseStatus
+
+    def turn(i: int, start: float, end: float, prompt: int, completion: int, gap: float | None) -> Turn:
+        return Turn(
+            index=i,
+            conversation_id="conv-1",
+            started_at=start,
+            ended_at=end,
+            ttft_s=0.1,
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            status=ReuseStatus.FIRST if i == 1 else ReuseStatus.HIT,
+            reused_tokens=0 if i == 1 else prompt - 50,
+            ttl_s=480.0,
+            history=HistoryClass.FIRST_TURN if i == 1 else HistoryClass.EXACT,
+            reuse_forced_off=False,
+            gap_s=gap,
+        )
+
+    path = tmp_path / "turns.jsonl"
+    with TurnLog(path) as log:
+        log.write(turn(1, 1000.0, 1002.0, 500, 100, None))
+        log.write(turn(2, 1062.0, 1063.0, 650, 40, 60.0))
+        log.write(turn(3, 1663.0, 1664.0, 700, 10, 600.0))
+    assert detect_format(path) is InputFormat.TURN_LOG
+    r = analyze(path)
+    assert r.input.malformed == 0 and r.follow_up_turns == 2
+    assert r.repeated_tokens_lower_bound == 500 + 650
+    assert r.repeated_tokens_estimate == 600 + 690
+    assert (r.turns_within_ttl, r.turns_recovered_by_leases) == (1, 1)
+    assert r.statuses == {"first": 1, "hit": 2} and r.reused_tokens_observed == 600 + 650
