@@ -8,6 +8,8 @@ sets the ``X-Conversation-Id`` header. A :class:`Conversation` is that client wi
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import secrets
 from collections.abc import Mapping
@@ -40,6 +42,37 @@ def _turn_log(turn_log: str | os.PathLike[str] | TurnLog | None) -> TurnLog | No
     return TurnLog(turn_log)
 
 
+class _Bound:
+    """An openai resource (``chat``, ``chat.completions``, ``…with_raw_response``) whose methods send
+    ``X-Conversation-Id``: the real openai methods, without an openai client copy per conversation
+    (a few hundred bytes instead of a few kilobytes, for agents with thousands of conversations)."""
+
+    __slots__ = ("_cid", "_target")
+
+    def __init__(self, target: Any, conversation_id: str) -> None:
+        self._target = target
+        self._cid = conversation_id
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._target, name)
+        if name.startswith("_") or isinstance(value, (str, bytes, int, float, bool, type(None), type)):
+            return value
+        if inspect.ismethod(value) or inspect.isfunction(value):
+            cid = self._cid
+
+            @functools.wraps(value)
+            def call(*args: Any, **kwargs: Any) -> Any:
+                extra = kwargs.get("extra_headers") or {}
+                kwargs["extra_headers"] = {**extra, protocol.HEADER_CONVERSATION_ID: cid}
+                return value(*args, **kwargs)
+
+            return call
+        return _Bound(value, self._cid)
+
+    def __repr__(self) -> str:
+        return f"<conversation {self._cid!r} {self._target!r}>"
+
+
 class _ConversationBase(Generic[C]):
     """What sync and async conversations share: id, turn records, the bound openai client."""
 
@@ -63,12 +96,12 @@ class _ConversationBase(Generic[C]):
     @property
     def chat(self) -> Any:
         """``conv.chat.completions.create(...)``: the openai method, in this conversation."""
-        return self.client.chat
+        return _Bound(self._base.chat, self._state.id)
 
     @property
     def completions(self) -> Any:
         """``conv.completions.create(...)``: legacy completions, in this conversation."""
-        return self.client.completions
+        return _Bound(self._base.completions, self._state.id)
 
     @property
     def turns(self) -> list[Turn]:

@@ -91,14 +91,15 @@ class Pending:
     """One tracked request between ``begin`` and ``finish``."""
 
     __slots__ = (
-        "auth",
         "body",
         "done",
         "header_at",
+        "headers",
         "observer",
+        "origin",
+        "path",
         "reuse_off",
         "reused_tokens",
-        "root",
         "started_at",
         "state",
         "status",
@@ -113,8 +114,9 @@ class Pending:
         state: ConversationState,
         verdict: Verdict | None,
         body: bytes,
-        root: str,
-        auth: dict[str, str],
+        origin: str,
+        path: str,
+        headers: Mapping[str, str],
         t0: float,
         started_at: float,
     ) -> None:
@@ -122,8 +124,9 @@ class Pending:
         self.verdict = verdict
         self.body = body
         self.reuse_off = verdict is not None and verdict.reuse_off
-        self.root = root
-        self.auth = auth
+        self.origin = origin
+        self.path = path
+        self.headers = headers  # the request's headers: lease requests copy its authorization
         self.t0 = t0
         self.started_at = started_at
         self.status_code = 0
@@ -258,8 +261,7 @@ class Tracker:
                     data.setdefault(protocol.BODY_CONVERSATION_ID, conversation_id)
                     body = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
         body = inject_conversation_id(body, conversation_id)
-        auth = {name: v for name in AUTH_HEADERS if (v := headers.get(name)) is not None}
-        pending = Pending(state, verdict, body, router_root(origin, path), auth, t0, started_at)
+        pending = Pending(state, verdict, body, origin, path, headers, t0, started_at)
         if verdict is not None and verdict.reuse_off and not state.warned:
             state.warned = True
             warnings.warn(
@@ -331,7 +333,9 @@ class Tracker:
         if self.on_turn is not None:
             self.on_turn(turn)
         if p.ttl is not None and p.ttl > 0 and self.lease_sink is not None and not state.closed:
-            self.lease_sink.activate(state.id, p.root, p.ttl, p.auth, explicit=state.explicit)
+            auth = {name: v for name in AUTH_HEADERS if (v := p.headers.get(name)) is not None}
+            root = router_root(p.origin, p.path)
+            self.lease_sink.activate(state.id, root, p.ttl, auth, explicit=state.explicit)
         return turn
 
 

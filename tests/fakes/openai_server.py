@@ -57,6 +57,7 @@ class FakeOpenAIServer:
         renew_failure_status: int = 503,
         renew_status: int | None = None,
         record_bodies: bool = True,
+        record: bool = True,
     ) -> None:
         if reply not in REPLY_KINDS:
             raise ValueError(f"reply must be one of {REPLY_KINDS}")
@@ -69,6 +70,7 @@ class FakeOpenAIServer:
         self.renew_failure_status = renew_failure_status
         self.renew_status = renew_status  # a fixed status for every renew request (e.g. 404)
         self.record_bodies = record_bodies
+        self.record = record  # False: keep no request log (benchmarks)
         self.requests: list[Recorded] = []
         self.leases: dict[str, float] = {}  # conversation id -> expiry (time.monotonic)
         self.released: list[str] = []
@@ -80,7 +82,7 @@ class FakeOpenAIServer:
 
     # ----------------------------------------------------------------------------- lifecycle
     def start(self) -> FakeOpenAIServer:
-        server = ThreadingHTTPServer(("127.0.0.1", 0), _make_handler(self))
+        server = _Server(("127.0.0.1", 0), _make_handler(self))
         server.daemon_threads = True
         self._server = server
         self._thread = threading.Thread(
@@ -132,6 +134,8 @@ class FakeOpenAIServer:
 
     # ----------------------------------------------------------------------------- behaviour
     def _record(self, r: Recorded) -> None:
+        if not self.record:
+            return
         with self._lock:
             self.requests.append(r)
 
@@ -195,6 +199,12 @@ class FakeOpenAIServer:
         return out
 
 
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # clients closing kept-alive connections are normal here, not errors worth a traceback
+        return
+
+
 def _pieces(text: str) -> list[str]:
     words = text.split(" ")
     return [w if i == 0 else " " + w for i, w in enumerate(words)]
@@ -211,6 +221,7 @@ def _count_tokens(body: Any) -> int:
 def _make_handler(fake: FakeOpenAIServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        disable_nagle_algorithm = True  # headers and body go out in separate writes
 
         def log_message(self, format: str, *args: Any) -> None:  # quiet
             return
@@ -382,3 +393,32 @@ def _make_handler(fake: FakeOpenAIServer) -> type[BaseHTTPRequestHandler]:
             self.wfile.flush()
 
     return Handler
+
+
+def main() -> None:
+    """Serve from its own process (benchmarks): prints the base URL, serves until stdin closes."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(description="fake OpenAI-compatible kvlease router")
+    parser.add_argument("--reply", default="plain", choices=REPLY_KINDS)
+    parser.add_argument("--content", default="The answer is forty two.")
+    parser.add_argument("--ttl", type=float, default=30.0)
+    parser.add_argument("--no-kvlease-headers", action="store_true")
+    parser.add_argument("--record", action="store_true", help="keep a request log (renew counts on stderr)")
+    args = parser.parse_args()
+    srv = FakeOpenAIServer(
+        reply=args.reply,
+        content=args.content,
+        ttl=args.ttl,
+        kvlease_headers=not args.no_kvlease_headers,
+        record=args.record,
+        record_bodies=False,
+    )
+    with srv:
+        print(srv.base_url, flush=True)
+        sys.stdin.read()
+
+
+if __name__ == "__main__":
+    main()

@@ -386,3 +386,17 @@ def test_wrap_rejects_other_objects() -> None:
         kvlease.wrap(
             OpenAI(api_key="k", base_url="http://127.0.0.1:9/v1"), reasoning="nope", retry=FAST_RETRY
         )  # type: ignore[arg-type]
+
+
+def test_bound_resources_keep_the_real_openai_surface(
+    kc: kvlease.KVLeaseClient, fake_server: FakeOpenAIServer
+) -> None:
+    with kc.conversation(id="raw-1") as conv:
+        raw = conv.chat.completions.with_raw_response.create(
+            model="m", messages=[USER], extra_headers={"X-Other": "kept"}
+        )
+        assert raw.headers.get(protocol.HEADER_STATUS) == "first"
+        assert raw.parse().choices[0].message.content == fake_server.content
+        assert conv.turns[0].status is ReuseStatus.FIRST
+    (req,) = _chat(fake_server)
+    assert req.header(protocol.HEADER_CONVERSATION_ID) == "raw-1" and req.header("x-other") == "kept"
