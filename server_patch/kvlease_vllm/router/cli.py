@@ -115,6 +115,12 @@ def app(
         None, "--tenant-header", help="Trust this header as the tenant."
     ),
     no_validate: bool = typer.Option(False, "--no-validate", help="Skip start-up checks of the nodes."),
+    startup_timeout: float | None = typer.Option(
+        None, "--startup-timeout", help="Wait this long for the nodes."
+    ),
+    max_body_bytes: int | None = typer.Option(
+        None, "--max-body-bytes", help="Request body limit (413 above)."
+    ),
     log_level: str = typer.Option("info", "--log-level"),
     log_json: bool = typer.Option(True, "--log-json/--log-text"),
 ) -> None:
@@ -140,6 +146,8 @@ def app(
             ("ttl_margin", ttl_margin),
             ("node_ttl", node_ttl),
             ("tenant_header", tenant_header),
+            ("startup_timeout", startup_timeout),
+            ("max_body_bytes", max_body_bytes),
         ):
             if value is not None:
                 kwargs[name] = value
