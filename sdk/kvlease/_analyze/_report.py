@@ -42,7 +42,9 @@ def _rate(x: float | None) -> str:
 
 def render_table(report: AnalysisReport) -> Table:
     r = report
-    t = Table(title=f"kvlease analyze: {r.input.source or 'input'} ({r.input.format})", title_justify="left")
+    t = Table(
+        title=Text(f"kvlease analyze: {r.input.source or 'input'} ({r.input.format})"), title_justify="left"
+    )
     t.add_column("figure")
     t.add_column("value", justify="right")
     t.add_column("notes", style="dim")

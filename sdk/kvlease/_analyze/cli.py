@@ -7,6 +7,7 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
 from kvlease._analyze._api import analyze
@@ -67,7 +68,7 @@ def analyze_command(
         try:
             _matplotlib()  # fail before a long read, not after
         except PlotUnavailableError as e:
-            err.print(f"[red]error:[/red] {e}")
+            err.print(f"[red]error:[/red] {escape(str(e))}")
             raise typer.Exit(1) from None
 
     show_progress = not as_json and err.is_terminal
@@ -104,10 +105,10 @@ def analyze_command(
                 mooncake_block_size=mooncake_block_size,
             )
     except FormatDetectionError as e:
-        err.print(f"[red]error:[/red] {e}", highlight=False)
+        err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False)
         raise typer.Exit(2) from None
     except MalformedInputError as e:
-        err.print(f"[red]error:[/red] {file}: {e} (--strict)", highlight=False)
+        err.print(f"[red]error:[/red] {escape(f'{file}: {e}')} (--strict)", highlight=False)
         raise typer.Exit(1) from None
 
     if as_json:
@@ -121,4 +122,4 @@ def analyze_command(
 
         plot_report(report, plot)
         if not as_json:
-            err.print(f"plot written to {plot}", highlight=False)
+            err.print(f"plot written to {escape(str(plot))}", highlight=False)

@@ -102,3 +102,48 @@ def test_plot_of_empty_input(tmp_path: Path) -> None:
     png = tmp_path / "empty.png"
     code, _, _ = invoke(str(DATA / "empty.jsonl"), "--json", "--plot", str(png))
     assert code == 0 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plot_without_matplotlib_fails_clearly(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        f"""
+        import sys, importlib.abc
+        class Block(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] == "matplotlib":
+                    raise ImportError("blocked for this test")
+        sys.meta_path.insert(0, Block())
+        sys.argv = ["kvlease", "analyze", {str(DATA / "agents.jsonl")!r}, "--plot", {str(tmp_path / "x.png")!r}]
+        from kvlease.cli import main
+        main()
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert "kvlease[analyze]" in out.stderr
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_public_names() -> None:
+    import kvlease._analyze as pkg
+
+    assert set(pkg.__all__) == {
+        "DEFAULT_MAX_IDLE",
+        "DEFAULT_TTL",
+        "AnalysisReport",
+        "AnalyzeError",
+        "Analyzer",
+        "FormatDetectionError",
+        "InputFormat",
+        "InputSummary",
+        "MalformedInputError",
+        "MooncakeSessions",
+        "Recommendation",
+        "TurnIndexFigures",
+        "analyze",
+        "detect_format",
+    }
