@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlease._analyze._formats import AnalyzeError
+from kvlease._analyze._model import MAX_TURN_INDEX
 from kvlease._analyze._types import AnalysisReport
 
 
@@ -78,7 +79,10 @@ def plot_report(report: AnalysisReport, path: str | Path) -> Path:
     else:
         ax_share.text(0.5, 0.5, "no token counts", ha="center", va="center", transform=ax_share.transAxes)
     ax_share.set_ylim(0, 100)
-    ax_share.set_xlabel("turn index (2 = second turn; the last point gathers later turns)")
+    capped = bool(idx) and idx[-1] == MAX_TURN_INDEX
+    ax_share.set_xlabel(
+        f"turn index (2 = second turn{f'; {MAX_TURN_INDEX} gathers later turns' if capped else ''})"
+    )
     ax_share.set_ylabel("repeated prompt share (%)")
     ax_share.set_title("Repeated prompt share per turn index")
     ax_share.grid(alpha=0.3)
