@@ -26,6 +26,8 @@ from kvlease_vllm.stack import Stack, StackSpec
 pytestmark = pytest.mark.integration
 
 TIMEOUT = httpx.Timeout(300.0, connect=10.0)
+#: Logged by kvlease_vllm.plugin.register() in the servers' engine processes.
+REGISTERED_LOG_LINE = "kvlease plugin: streamed responses of"
 PROMPT = "def parse(argv):\n    '''Parse the command line arguments and return the options.'''\n" * 6
 
 
@@ -132,6 +134,11 @@ def test_streamed_text_completions_carry_handles_on_both_sides(plugin_stack: Sta
     assert d_handle[KV.REMOTE_ENGINE_ID] != p_handle[KV.REMOTE_ENGINE_ID]
 
 
+def test_plugin_registered_in_both_servers(plugin_stack: Stack) -> None:
+    for server in (plugin_stack.prefill, plugin_stack.decode):
+        assert REGISTERED_LOG_LINE in server.log_text(), server.log_path
+
+
 def test_streams_without_kv_transfer_params_are_untouched(plugin_stack: Stack) -> None:
     events = stream_events(
         plugin_stack.decode.url + CHAT_COMPLETIONS_PATH,
@@ -165,3 +172,4 @@ def test_without_the_plugin_streams_carry_no_handle(stack_factory: Callable[[Sta
         },
     )
     assert handles(p_events) == []
+    assert REGISTERED_LOG_LINE not in stack.decode.log_text()
