@@ -44,13 +44,19 @@ class _StackPool:
 
 
 @pytest.fixture(scope="session")
-def stack_factory() -> Iterator[Callable[[StackSpec], Stack]]:
-    """``stack_factory(spec)`` -> a running :class:`Stack` for ``spec`` (one pair at a time)."""
+def stack_pool() -> Iterator[_StackPool]:
+    """The session's one running pair (``.get(spec)``, ``.close()`` to stop it)."""
     pool = _StackPool()
     try:
-        yield pool.get
+        yield pool
     finally:
         pool.close()
+
+
+@pytest.fixture(scope="session")
+def stack_factory(stack_pool: _StackPool) -> Callable[[StackSpec], Stack]:
+    """``stack_factory(spec)`` -> a running :class:`Stack` for ``spec`` (one pair at a time)."""
+    return stack_pool.get
 
 
 @pytest.fixture()

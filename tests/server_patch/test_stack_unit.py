@@ -258,8 +258,8 @@ def test_metrics_names_and_sample_key() -> None:
     ("before", "after", "interval", "expected"),
     [
         # 100 ticks/s: a busy poller uses ~250 ticks in 2.5 s; an idle thread ~0.
-        ({1: 0, 2: 10, 3: 500}, {1: 250, 2: 11, 3: 560}, 2.5, [1]),
-        ({1: 0, 2: 0}, {1: 124, 2: 125}, 2.5, [2]),  # threshold: half a core
+        ({1: 0, 2: 10, 3: 500}, {1: 250, 2: 11, 3: 540}, 2.5, [1]),
+        ({1: 0, 2: 0}, {1: 49, 2: 50}, 2.5, [2]),  # threshold: a fifth of a core
         ({1: 0}, {1: 0, 9: 10_000}, 2.5, []),  # a thread born during the sample is ignored
         ({1: 0, 2: 0}, {2: 300}, 2.0, [2]),  # a thread that ended is ignored
         ({}, {}, 1.0, []),
