@@ -153,12 +153,23 @@ class ResponseObserver:
 
     def _event(self, event: bytes, now: float) -> None:
         data: bytes | None = None
+        if event.startswith(b"data: ") and b"\n" not in event:  # the common one-line event
+            data = event[6:]
+        else:
+            self._event_lines(event, now)
+            return
+        self._data(data, now)
+
+    def _event_lines(self, event: bytes, now: float) -> None:
+        data: bytes | None = None
         for line in event.split(b"\n"):
             if line.startswith(b"data:"):
                 piece = line[5:].lstrip(b" ")
                 data = piece if data is None else data + b"\n" + piece
-        if data is None:
-            return
+        if data is not None:
+            self._data(data, now)
+
+    def _data(self, data: bytes, now: float) -> None:
         if data == b"[DONE]":
             self._complete = True
             return
