@@ -109,10 +109,13 @@ async def _health_loop(router: Router) -> None:
             except (aiohttp.ClientError, asyncio.TimeoutError):
                 ok = False
             if ok:
+                node.probe_failures = 0
                 router.upstreams.mark_up(node)
-            elif node.healthy(time.monotonic()):
+                continue
+            node.probe_failures += 1  # two in a row: one slow probe on a busy node is not an outage
+            if node.probe_failures >= 2 and node.healthy(time.monotonic()):
                 router.upstreams.mark_down(node, time.monotonic())
-                log.warning("%s node %s failed its health probe", node.role, node.url)
+                log.warning("%s node %s failed its health probes", node.role, node.url)
 
 
 def _lifespan(router: Router) -> Callable[[web.Application], AsyncIterator[None]]:

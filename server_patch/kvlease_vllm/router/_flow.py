@@ -167,6 +167,8 @@ async def _post_json(
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         router.upstreams.mark_down(node, time.monotonic())
         raise _UpstreamDown(f"{node.role} {node.url}: {type(e).__name__}") from e
+    if node.down_until:
+        router.upstreams.mark_up(node)  # it answered: it is back
     try:
         out = orjson.loads(raw)
     except orjson.JSONDecodeError:
@@ -287,6 +289,8 @@ async def _decode(
                 await _forget_handle(router, turn, node)
                 return error_response(502, f"no decode node answered: {type(e).__name__}", "upstream_error")
             router.metrics.decode_first_byte_seconds.observe(time.perf_counter() - t0)
+            if node.down_until:
+                router.upstreams.mark_up(node)
             try:
                 if upstream.status >= 400:
                     raw = await upstream.read()

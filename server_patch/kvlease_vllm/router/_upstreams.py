@@ -29,6 +29,7 @@ class Node:
     version: str | None = None
     served: int = 0
     failures: int = 0
+    probe_failures: int = 0
 
     def healthy(self, now: float) -> bool:
         return now >= self.down_until

@@ -218,13 +218,18 @@ async def test_completions_endpoint_streaming_and_not(cluster: Cluster) -> None:
         assert r2.headers[HEADER_STATUS] == "hit"
 
 
-async def test_all_misses_over_the_window_log_a_warning(make_cluster: ClusterFactory, caplog: pytest.LogCaptureFixture) -> None:
+async def test_all_misses_over_the_window_log_a_warning(
+    make_cluster: ClusterFactory, caplog: pytest.LogCaptureFixture
+) -> None:
     cluster = await make_cluster(FakeConfig(plugin=False), miss_window_min_turns=4, miss_window_s=60.0)
     msgs = [{"role": "user", "content": "m " * 40}]
     with caplog.at_level("WARNING", logger="kvlease.router"):
         for _ in range(5):
-            r, b = await cluster.chat(msgs, cid="always-miss", stream=True)
-            msgs += [{"role": "assistant", "content": assistant_text(b, True)}, {"role": "user", "content": "z"}]
+            _r, b = await cluster.chat(msgs, cid="always-miss", stream=True)
+            msgs += [
+                {"role": "assistant", "content": assistant_text(b, True)},
+                {"role": "user", "content": "z"},
+            ]
     warnings = [rec.getMessage() for rec in caplog.records if "missed KV reuse" in rec.getMessage()]
     assert len(warnings) == 1 and "kvlease plugin" in warnings[0]
     assert "always-miss" not in caplog.text  # logs never carry raw conversation ids
