@@ -38,7 +38,7 @@ from kvlease.protocol import (
 from kvlease_vllm._leases import AddResult, LeaseTable
 from kvlease_vllm._metrics import CONTENT_TYPE_LATEST, ConnectorMetrics
 
-logger = logging.getLogger("kvlease_vllm.control")
+logger = logging.getLogger("vllm.kvlease.control")  # under vLLM's handler inside a server
 
 MAX_BODY_BYTES: Final = 1 << 20
 

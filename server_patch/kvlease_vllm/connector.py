@@ -62,7 +62,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-logger = init_logger(__name__)
+# a child of "vllm" so vLLM's log handler and level apply to our decision lines
+logger = init_logger("vllm.kvlease.connector")
 
 __all__ = ["KVLeaseConnector"]
 

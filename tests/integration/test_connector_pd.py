@@ -165,22 +165,23 @@ def earlier_message_edited(pd: PD, out1: list[int]) -> list[int]:
 
 
 def retokenized(pd: PD, out1: list[int]) -> list[int]:
-    """The same assistant text, but one multi-character token resent as its single characters."""
-    resent = list(out1)
-    for i, t in enumerate(out1):
-        text = pd.http.post(pd.stack.prefill.url + "/detokenize", json={"tokens": [t]}).json()["prompt"]
-        if len(text) >= 2:
-            pieces = [x for ch in text for x in pd.tok(ch)]
-            if (
-                pieces != [t]
-                and pd.http.post(pd.stack.prefill.url + "/detokenize", json={"tokens": pieces}).json()[
-                    "prompt"
-                ]
-                == text
-            ):
-                resent = out1[:i] + pieces + out1[i + 1 :]
+    """The same assistant text resent as text and tokenized again (as a client does), forced to differ.
+
+    Natural re-tokenization first (e.g. two generated ``_`` tokens come back as one ``__``); if that
+    happens to give the same ids, one multi-character token is resent as its single characters.
+    """
+    url = pd.stack.prefill.url + "/detokenize"
+    text = pd.http.post(url, json={"tokens": out1}).json()["prompt"]
+    resent = pd.tok(text)
+    if resent == out1:
+        for i, t in enumerate(out1):
+            piece = pd.http.post(url, json={"tokens": [t]}).json()["prompt"]
+            split = [x for ch in piece for x in pd.tok(ch)]
+            if len(piece) >= 2 and split != [t]:
+                resent = out1[:i] + split + out1[i + 1 :]
                 break
-    assert resent != out1, "no multi-character token to split"
+    assert resent != out1, "the answer re-tokenizes to the same ids"
+    assert pd.http.post(url, json={"tokens": resent}).json()["prompt"] == text
     return (
         pd.tok(chatml("user", USER_1) + ASSISTANT) + resent + pd.tok(END + chatml("user", USER_2) + ASSISTANT)
     )
