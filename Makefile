@@ -37,4 +37,4 @@ $(VENV)-openai2/bin/kvlease: pyproject.toml
 	touch $@
 
 test-openai2: $(VENV)-openai2/bin/kvlease
-	$(VENV)-openai2/bin/python -m pytest tests/sdk -m "not integration" -p no:cacheprovider
+	$(VENV)-openai2/bin/python -m pytest tests/sdk --ignore=tests/sdk/analyze -p no:cacheprovider
