@@ -330,3 +330,43 @@ def test_source_root_is_this_checkout() -> None:
     root = source_root()
     assert root is not None
     assert (root / "server_patch" / "kvlease_vllm" / "stack").is_dir()
+
+
+# -- CLI without servers -----------------------------------------------------------------------------
+
+
+def test_cli_status_and_down_without_a_stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from kvlease_vllm.stack.cli import app
+
+    monkeypatch.setenv("KVLEASE_HOME", str(tmp_path))
+    runner = CliRunner()
+    status = runner.invoke(app, ["status"])
+    assert status.exit_code == 1
+    assert json.loads(status.output) == {"up": False}
+    down = runner.invoke(app, ["down"])
+    assert down.exit_code == 0
+
+
+def test_cli_down_never_signals_a_process_that_is_not_a_vllm_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A stale state file whose PIDs now belong to something else (here: this test process).
+    import os
+
+    from typer.testing import CliRunner
+
+    from kvlease_vllm.stack.cli import app
+
+    monkeypatch.setenv("KVLEASE_HOME", str(tmp_path))
+    me = {"pid": os.getpid(), "pgid": os.getpgid(0), "url": "http://127.0.0.1:9"}
+    (tmp_path / "stack.json").write_text(json.dumps({"prefill": me, "decode": me}))
+    runner = CliRunner()
+    status = runner.invoke(app, ["status"])
+    assert status.exit_code == 1
+    assert json.loads(status.output)["prefill"]["running"] is False
+    down = runner.invoke(app, ["down"])
+    assert down.exit_code == 0
+    assert "prefill: not running" in down.output
+    assert not (tmp_path / "stack.json").exists()

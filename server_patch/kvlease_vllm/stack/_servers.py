@@ -441,25 +441,32 @@ class Stack:
             self._stop_server(server)
         _LIVE.discard(self)
 
-    def _restart(self, server: ServerHandle, timeout: float | None) -> None:
+    def _restart(self, server: ServerHandle, timeout: float | None, warmup: bool) -> None:
         self._stop_server(server)
         if timeout is not None:
             self.health_timeout = timeout
+        t0 = time.monotonic()
         self._launch(server)
         try:
             self._wait_healthy(server)
             self._renice([server])
+            if warmup:
+                self.warm_up(timeout=self.health_timeout)
         except BaseException:
             self.stop()
             raise
+        self.timings[f"{server.role}_restart_s"] = time.monotonic() - t0
 
-    def restart_decode(self, timeout: float | None = None) -> None:
-        """Stop and start D with the same ports (fault tests). No warm-up."""
-        self._restart(self.decode, timeout)
+    def restart_decode(self, timeout: float | None = None, *, warmup: bool = False) -> None:
+        """Stop and start D with the same ports (fault tests); ``warmup`` sends one P->D turn.
 
-    def restart_prefill(self, timeout: float | None = None) -> None:
-        """Stop and start P with the same ports (fault tests). No warm-up."""
-        self._restart(self.prefill, timeout)
+        On failure both servers are stopped and the error propagates.
+        """
+        self._restart(self.decode, timeout, warmup)
+
+    def restart_prefill(self, timeout: float | None = None, *, warmup: bool = False) -> None:
+        """Stop and start P with the same ports (fault tests); ``warmup`` sends one P->D turn."""
+        self._restart(self.prefill, timeout, warmup)
 
     def alive(self) -> bool:
         return self.prefill.alive() and self.decode.alive()
