@@ -25,7 +25,9 @@ from kvlease_vllm.testing import RedisServer
 
 pytestmark = pytest.mark.integration
 
-QUESTION = "Write a Python function that parses a configuration file and returns a dict of its sections. " * 3
+QUESTION = (
+    "Write a Python function that parses a configuration file and returns a dict of its sections. " * 12
+)
 
 
 class RouterProcess:
@@ -104,10 +106,14 @@ def test_sdk_through_router_hits_on_exact_continuations(
     stack: Any, start_router: Callable[..., RouterProcess], stream: bool
 ) -> None:
     router = start_router()
-    turns = _sdk_conversation_turns(router.url, stack.model_name, stream)
+    turns = _sdk_conversation_turns(router.url, stack.model_name, stream, turns=4)
     statuses = [t.status.value if t.status else None for t in turns]
-    assert statuses == ["first", "hit", "hit"], statuses
-    assert all(t.reused_tokens and t.reused_tokens > 0 for t in turns[1:])
+    # P decides each pull (verified prefix, threshold, cost model, its own prefix cache), so not
+    # every follow-up must pull; but the router must offer the handle every time and report P's
+    # answer, and exact continuations must pull at least once.
+    assert statuses[0] == "first" and set(statuses[1:]) <= {"hit", "miss", "mismatch"}, statuses
+    hits = [t for t in turns[1:] if t.status and t.status.value == "hit"]
+    assert hits and all(t.reused_tokens and t.reused_tokens > 0 for t in hits), statuses
     assert all(t.ttl_s and t.ttl_s > 0 for t in turns)
     with open(stack.prefill.log_path, errors="replace") as f:
         assert "pulling" in f.read()  # P really read verified blocks from D
@@ -154,6 +160,17 @@ def test_router_restart_with_redis_keeps_hits(stack: Any, start_router: Callable
                 {"role": "user", "content": "Continue."},
             ]
             r2 = c.post(second.url + "/v1/chat/completions", json={**body, "messages": messages}, headers=h)
-            assert r2.status_code == 200 and r2.headers[HEADER_STATUS] == "hit", r2.headers
+            # the restarted router still knew the conversation: it offered D's handle, P judged it
+            assert r2.status_code == 200 and r2.headers[HEADER_STATUS] in ("hit", "mismatch", "miss"), (
+                r2.headers
+            )
+            assert r2.headers[HEADER_STATUS] != "first"
+            messages += [
+                {"role": "assistant", "content": r2.json()["choices"][0]["message"]["content"]},
+                {"role": "user", "content": "Continue again."},
+            ]
+            r3 = c.post(second.url + "/v1/chat/completions", json={**body, "messages": messages}, headers=h)
+            assert r3.status_code == 200 and r3.headers[HEADER_STATUS] != "first"
+            assert "hit" in (r2.headers[HEADER_STATUS], r3.headers[HEADER_STATUS])
     finally:
         redis.stop()

@@ -92,7 +92,7 @@ def judge_prefill(p_body: Mapping[str, Any], offered_tokens: int) -> tuple[Reuse
                 if isinstance(report.get(PREFILL_REUSE_STATUS), str)
                 else None
             )
-            if said in (ReuseStatus.MISMATCH, ReuseStatus.EXPIRED, ReuseStatus.MISS):
+            if said in (ReuseStatus.MISMATCH, ReuseStatus.EXPIRED, ReuseStatus.MISS, ReuseStatus.ERROR):
                 return said, 0
             return ReuseStatus.MISS, 0
     usage = p_body.get("usage")

@@ -69,7 +69,10 @@ async def serve(settings: RouterSettings, key_secret_given: bool = True) -> None
         store = RedisStore(client, timeout=settings.store_timeout, backoff=settings.store_backoff)
     else:
         store = MemoryStore(settings.memory_max_entries)
-    runner = web.AppRunner(create_app(settings, store), access_log=None, handle_signals=False)
+    # keep-alive clients must not hold a shutdown for aiohttp's default 60 s
+    runner = web.AppRunner(
+        create_app(settings, store), access_log=None, handle_signals=False, shutdown_timeout=2.0
+    )
     try:
         await runner.setup()
         site = web.TCPSite(runner, settings.host, settings.port, backlog=2048, reuse_address=True)
