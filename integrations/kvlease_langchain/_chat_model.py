@@ -211,6 +211,8 @@ class ChatKVLease(BaseChatOpenAI):
     _kvlease_sync: Any = PrivateAttr(default=None)
     _kvlease_async: Any = PrivateAttr(default=None)
     _reasoning_field: str | None = PrivateAttr(default=None)
+    _own_http_sync: Any = PrivateAttr(default=None)
+    _own_http_async: Any = PrivateAttr(default=None)
 
     @field_validator("conversation_id")
     @classmethod
@@ -232,6 +234,14 @@ class ChatKVLease(BaseChatOpenAI):
                 "ChatKVLease builds its own openai clients on the kvlease SDK; pass http_client / "
                 "http_async_client to customise the HTTP layer instead of client / async_client"
             )
+        if self.openai_proxy is None:
+            # langchain-openai shares one cached HTTP client per (base_url, timeout) among all its
+            # models; an asyncio one then carries pooled connections from one event loop into the
+            # next ("Event loop is closed"). Each ChatKVLease owns its pools (closed by close()).
+            if self.http_client is None:
+                self.http_client = self._own_http_sync = openai.DefaultHttpxClient()
+            if self.http_async_client is None:
+                self.http_async_client = self._own_http_async = openai.DefaultAsyncHttpxClient()
         super().validate_environment()
         options: dict[str, Any] = {
             "reasoning": self.reasoning_policy,
@@ -549,12 +559,16 @@ class ChatKVLease(BaseChatOpenAI):
         """Stop the sync client's heartbeats and release its leases (idempotent)."""
         if self._kvlease_sync is not None:
             self._kvlease_sync.close()
+        if self._own_http_sync is not None:
+            self._own_http_sync.close()
 
     async def aclose(self) -> None:
         """Close both SDK clients (the async one needs the running loop)."""
         self.close()
         if self._kvlease_async is not None:
             await self._kvlease_async.close()
+        if self._own_http_async is not None:
+            await self._own_http_async.aclose()
 
 
 def _turn_summary(conversation_id: str, turn: Any) -> dict[str, Any]:

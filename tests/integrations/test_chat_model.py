@@ -6,6 +6,7 @@ reasoning sent back; what the caller got (messages, content blocks, usage, turn 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import warnings
@@ -392,6 +393,19 @@ def test_token_counting_needs_no_network() -> None:
     )
     assert exact.get_token_ids("abc") == [97, 98, 99]
     assert exact.get_num_tokens("abcdefgh") == 8
+
+
+def test_models_in_successive_event_loops(router: FakeRouter) -> None:
+    """Each model owns its HTTP pools: no connection of a closed event loop is ever reused."""
+
+    async def turn(model: ChatKVLease) -> None:
+        await model.ainvoke("hi")
+        await _acollect(model.astream("hi"))
+        await model.aclose()
+
+    for _ in range(3):
+        asyncio.run(turn(ChatKVLease(model="fake-model", base_url=router.base_url)))
+    assert len(router.chat_requests()) == 6
 
 
 def test_close_releases_the_conversations(make_model: Any, router: FakeRouter) -> None:
