@@ -1,0 +1,155 @@
+"""The real router over real HTTP on 127.0.0.1 in front of the fake vLLM P/D pair, for hostile tests.
+
+Shared by ``tests/security`` and ``tests/fuzz`` (the router's own fixtures live in its test folder;
+this is the same construction, kept small).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from kvlease.protocol import CHAT_COMPLETIONS_PATH, HEADER_CONVERSATION_ID
+from kvlease_vllm.router import ROUTER_KEY, MemoryStore, NodeSpec, RouterSettings, create_app
+from kvlease_vllm.router._core import Router
+from kvlease_vllm.testing import FakeConfig, FakePair
+
+__all__ = ["Cluster", "Listener", "parse_sse", "reply_text", "running_cluster"]
+
+SECRET = "fake-secret"
+
+
+@dataclass
+class Cluster:
+    pair: FakePair
+    url: str
+    app: web.Application
+    client: aiohttp.ClientSession
+
+    @property
+    def router(self) -> Router:
+        return self.app[ROUTER_KEY]
+
+    def received(self) -> list[tuple[str, dict[str, Any]]]:
+        """Every request body the fake vLLM nodes got: (role, body)."""
+        out = [("prefill", b) for b in self.pair.prefill.requests]
+        for d in self.pair.decodes:
+            out += [("decode", b) for b in d.requests]
+        return out
+
+    async def post(
+        self, path: str, body: Any, headers: dict[str, str] | None = None
+    ) -> tuple[aiohttp.ClientResponse, bytes]:
+        data = body if isinstance(body, bytes) else orjson.dumps(body)
+        h = {"Content-Type": "application/json", **(headers or {})}
+        async with self.client.post(self.url + path, data=data, headers=h) as r:
+            raw = await r.read()
+        return r, raw
+
+    async def chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        cid: str | None = None,
+        stream: bool = False,
+        headers: dict[str, str] | None = None,
+        **extra: Any,
+    ) -> tuple[aiohttp.ClientResponse, bytes]:
+        h = dict(headers or {})
+        if cid is not None:
+            h[HEADER_CONVERSATION_ID] = cid
+        body = {"model": "fake-model", "messages": messages, "stream": stream, **extra}
+        return await self.post(CHAT_COMPLETIONS_PATH, body, h)
+
+
+def parse_sse(raw: bytes) -> list[Any]:
+    """The payloads of an SSE body (``"[DONE]"`` for the terminator)."""
+    out: list[Any] = []
+    for block in raw.split(b"\n\n"):
+        if not block.strip():
+            continue
+        assert block.startswith(b"data: "), block[:200]
+        data = block[6:]
+        out.append("[DONE]" if data == b"[DONE]" else orjson.loads(data))
+    return out
+
+
+def reply_text(raw: bytes, stream: bool) -> str:
+    if not stream:
+        return str(orjson.loads(raw)["choices"][0]["message"]["content"])
+    return "".join(
+        e["choices"][0]["delta"].get("content") or ""
+        for e in parse_sse(raw)
+        if e != "[DONE]" and e.get("choices")
+    )
+
+
+@asynccontextmanager
+async def running_cluster(
+    config: FakeConfig | None = None, *, decode_url: str | None = None, **overrides: Any
+) -> AsyncIterator[Cluster]:
+    """A fake P/D pair and the router (in-memory store) serving on free ports; all stopped after.
+
+    ``decode_url`` sends decodes to another server (e.g. a misbehaving one) while the router still
+    validates and controls leases through the fake decode node's control endpoint.
+    """
+    pair = FakePair(config or FakeConfig(control_secret=SECRET))
+    await pair.__aenter__()
+    runner: web.AppRunner | None = None
+    client: aiohttp.ClientSession | None = None
+    try:
+        kvlease = pair.config.kvlease
+        settings = RouterSettings(
+            prefill=(NodeSpec(pair.prefill.url, pair.prefill.control if kvlease else None),),
+            decode=tuple(NodeSpec(decode_url or d.url, d.control if kvlease else None) for d in pair.decodes),
+            control_secret=pair.config.control_secret if kvlease else None,
+            key_secret="security-test-key-secret",
+            health_interval=0.5,
+            unhealthy_for=0.5,
+            startup_timeout=10.0,
+            **overrides,
+        )
+        app = create_app(settings, MemoryStore(10_000))
+        runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=0.5)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        client = aiohttp.ClientSession()
+        yield Cluster(pair, f"http://127.0.0.1:{port}", app, client)
+    finally:
+        if client is not None:
+            await client.close()
+        if runner is not None:
+            await runner.cleanup()
+        await pair.__aexit__(None, None, None)
+
+
+class Listener:
+    """A TCP listener on 127.0.0.1 that counts connections (the host a hostile handle points at)."""
+
+    def __init__(self) -> None:
+        self.connections = 0
+        self._server: asyncio.Server | None = None
+        self.port = 0
+
+    async def __aenter__(self) -> Listener:
+        async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            self.connections += 1
+            writer.close()
+
+        self._server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
+        self.port = int(self._server.sockets[0].getsockname()[1])
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        await self._server.wait_closed()
