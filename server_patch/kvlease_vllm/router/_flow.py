@@ -88,6 +88,9 @@ async def handle_turn(request: web.Request, router: Router, chat: bool) -> web.S
         return _bad(str(e), router)
     body.pop(BODY_CONVERSATION_ID, None)
     body.pop(KV_TRANSFER_PARAMS, None)  # never trust a client's handle
+    xargs = body.get("vllm_xargs")  # vLLM reads kv_transfer_params from extra_args too
+    if isinstance(xargs, dict):
+        xargs.pop(KV_TRANSFER_PARAMS, None)
 
     now = time.time()
     turn = _Turn(chat, body, None, None)
@@ -250,15 +253,20 @@ def _release_unused(router: Router, state: ConversationState) -> None:
 
 
 def _passthrough(router: Router, turn: _Turn, e: _Upstream4xx) -> web.Response:
-    body = e.body
+    body, content_type = e.body, e.content_type or JSON_CT
     if NEEDLE in body:
         try:
             obj = orjson.loads(body)
             strip_params(obj)
             body = orjson.dumps(obj)
         except orjson.JSONDecodeError:
-            body = b'{"error": {"message": "upstream error", "type": "upstream_error"}}'
-    resp = web.Response(status=e.status, body=body, content_type=e.content_type or JSON_CT)
+            pass
+        if NEEDLE in body:  # not JSON, or the handle quoted inside a message (validation errors)
+            body, content_type = (
+                b'{"error": {"message": "upstream error", "type": "upstream_error"}}',
+                JSON_CT,
+            )
+    resp = web.Response(status=e.status, body=body, content_type=content_type)
     resp.headers.update(_kvlease_headers(router, turn))
     return resp
 
