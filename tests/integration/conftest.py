@@ -18,21 +18,30 @@ import pytest
 from kvlease_vllm.stack import Stack, StackSpec, ensure_venv
 
 #: Start-up deadline per server (and for the warm-up turn). Generous: CPU is scarce here.
-STACK_TIMEOUT_S = float(os.environ.get("KVLEASE_STACK_TIMEOUT", "600"))
+STACK_TIMEOUT_S = float(os.environ.get("KVLEASE_STACK_TIMEOUT", "900"))
 
 
 class _StackPool:
-    """Holds at most one running pair."""
+    """Holds at most one running pair. A spec that failed to start fails again at once (with the
+    first error) instead of costing another full start-up deadline in every following test."""
 
     def __init__(self) -> None:
         self.current: Stack | None = None
+        self.failed: list[tuple[StackSpec, BaseException]] = []
 
     def get(self, spec: StackSpec) -> Stack:
         cur = self.current
         if cur is not None and cur.spec == spec and cur.alive():
             return cur
+        for bad, err in self.failed:
+            if bad == spec:
+                raise RuntimeError(f"the stack for this spec failed to start earlier in the session: {err}")
         self.close()
-        self.current = Stack.start(spec, timeout=STACK_TIMEOUT_S)
+        try:
+            self.current = Stack.start(spec, timeout=STACK_TIMEOUT_S)
+        except Exception as err:
+            self.failed.append((spec, err))
+            raise
         return self.current
 
     def close(self) -> None:
@@ -68,7 +77,7 @@ def stack(stack_factory: Callable[[StackSpec], Stack]) -> Stack:
 @pytest.fixture(scope="session")
 def vllm_python() -> Path:
     """The vLLM venv's interpreter (provisioned if missing)."""
-    return ensure_venv()
+    return Path(ensure_venv())
 
 
 @pytest.fixture(scope="session")
