@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -370,3 +371,47 @@ def test_cli_down_never_signals_a_process_that_is_not_a_vllm_server(
     assert down.exit_code == 0
     assert "prefill: not running" in down.output
     assert not (tmp_path / "stack.json").exists()
+
+
+# -- child processes ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("die_with_parent", [True, False])
+def test_child_setup_own_group_and_parent_death(die_with_parent: bool) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    # An intermediate process starts `sleep` with child_setup, prints its pid, then is SIGKILLed.
+    code = (
+        "import subprocess, sys\n"
+        "from kvlease_vllm.stack._proc import child_setup\n"
+        f"p = subprocess.Popen(['sleep', '60'], preexec_fn=child_setup(die_with_parent={die_with_parent}))\n"
+        "print(p.pid, flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    mid = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert mid.stdout is not None
+    child = int(mid.stdout.readline())
+    try:
+        assert os.getpgid(child) == child  # its own process group
+        assert os.getsid(child) == os.getsid(0)  # in the caller's session
+        mid.kill()
+        mid.wait()
+        deadline = time.monotonic() + 10
+        gone = False
+        while time.monotonic() < deadline and not gone:
+            try:
+                state = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                gone = state == "Z"
+            except OSError:
+                gone = True
+            time.sleep(0.05)
+        assert gone is die_with_parent
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child, signal.SIGKILL)

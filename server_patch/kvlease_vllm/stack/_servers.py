@@ -49,6 +49,7 @@ from kvlease_vllm.stack._config import (
 )
 from kvlease_vllm.stack._model import ensure_model
 from kvlease_vllm.stack._paths import kvlease_home, logs_dir
+from kvlease_vllm.stack._proc import child_setup
 from kvlease_vllm.stack._venv import Progress, _stderr_progress, ensure_venv, site_packages
 
 HOST = "127.0.0.1"
@@ -255,8 +256,10 @@ class Stack:
         log_dir: Path,
         progress: Progress,
         health_timeout: float,
+        detached: bool = False,
     ) -> None:
         self.spec = spec
+        self.detached = detached
         self.python = python
         self.model_dir = model_dir
         self.model_name = spec.model
@@ -286,11 +289,15 @@ class Stack:
         home: Path | None = None,
         progress: Progress | None = None,
         warmup: bool = True,
+        detached: bool = False,
     ) -> Stack:
         """Provision (cached), start P (core 0) and D (core 1), health-poll, renice, warm up.
 
         ``timeout`` bounds each server's start-up (health) and the warm-up turn. On any failure
-        both servers are stopped before the exception propagates.
+        both servers are stopped before the exception propagates. Unless ``detached``, the servers
+        are also stopped when this process exits, even when it is killed: they get SIGTERM when the
+        thread that started them ends (Linux parent-death signal), so start and restart stacks from
+        a thread that lives as long as the stack (normally the main thread).
         """
         spec = spec or StackSpec()
         say = progress or _stderr_progress
@@ -300,9 +307,16 @@ class Stack:
         log_dir = logs_dir(home)
         log_dir.mkdir(parents=True, exist_ok=True)
         stack = cls(
-            spec, python=python, model_dir=model, log_dir=log_dir, progress=say, health_timeout=timeout
+            spec,
+            python=python,
+            model_dir=model,
+            log_dir=log_dir,
+            progress=say,
+            health_timeout=timeout,
+            detached=detached,
         )
-        _LIVE.add(stack)
+        if not detached:
+            _LIVE.add(stack)
         try:
             t0 = time.monotonic()
             stack._launch(stack.prefill)
@@ -372,7 +386,7 @@ class Stack:
                 stderr=subprocess.STDOUT,
                 env=env,
                 cwd=str(self.model_dir.parent),
-                preexec_fn=os.setpgrp,  # own process group, caller's session (not setsid)
+                preexec_fn=child_setup(die_with_parent=not self.detached),
             )
         server.started_s = time.monotonic()
 
@@ -472,7 +486,7 @@ class Stack:
         return self.prefill.alive() and self.decode.alive()
 
     def detach(self) -> None:
-        """Leave the servers running after this process exits (``kvlease stack up``)."""
+        """Do not stop the servers at this process's normal exit (see ``start(detached=True)``)."""
         _LIVE.discard(self)
 
     def endpoints(self) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from kvlease_vllm.stack._paths import (
     source_root,
     venv_dir,
 )
+from kvlease_vllm.stack._proc import child_setup
 
 Progress = Callable[[str], None]
 MARKER = "kvlease-venv.json"
@@ -55,7 +56,7 @@ def run_logged(
         stderr=subprocess.STDOUT,
         text=True,
         env=env,
-        preexec_fn=os.setpgrp,  # own process group, same session
+        preexec_fn=child_setup(die_with_parent=True),
     )
     timer = threading.Timer(timeout, _kill_group, args=(proc.pid,))
     timer.start()

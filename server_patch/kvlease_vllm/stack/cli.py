@@ -83,8 +83,7 @@ def up(
         prefix_caching=prefix_caching,
         plugin=plugin,
     )
-    stack = Stack.start(spec, timeout=timeout)
-    stack.detach()
+    stack = Stack.start(spec, timeout=timeout, detached=True)
     info = {**stack.endpoints(), "started_at": time.time(), "timings": stack.timings}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
