@@ -21,6 +21,7 @@ from kvlease.protocol import (
     RENEW_PATH,
     STATUS_PATH,
 )
+from kvlease_vllm.stack import StackSpec
 from kvlease_vllm.testing import RedisServer
 
 pytestmark = pytest.mark.integration
@@ -63,6 +64,13 @@ class RouterProcess:
 
 
 @pytest.fixture
+def stack(stack_factory: Callable[[StackSpec], Any]) -> Any:
+    """P's own prefix cache off: otherwise P already holds every earlier prompt and a pull from D
+    gains only the last answer's tokens, which the connector rightly declines below its threshold."""
+    return stack_factory(StackSpec(prefix_caching=False))
+
+
+@pytest.fixture
 def start_router(stack: Any) -> Iterator[Callable[..., RouterProcess]]:
     started: list[RouterProcess] = []
 
@@ -81,7 +89,9 @@ def _sdk_conversation_turns(router: str, model: str, stream: bool, turns: int = 
 
     import kvlease
 
-    kc = kvlease.wrap(OpenAI(base_url=router + "/v1", api_key="test-key", max_retries=0), heartbeat=False)
+    kc = kvlease.wrap(
+        OpenAI(base_url=router + "/v1", api_key="test-key", max_retries=0, timeout=600), heartbeat=False
+    )
     with kc.conversation() as conv:
         messages: list[dict[str, str]] = [{"role": "user", "content": QUESTION}]
         for i in range(turns):
@@ -125,7 +135,7 @@ def test_renew_and_release_on_the_real_decode_node(
     router = start_router()
     h = {HEADER_CONVERSATION_ID: "itest-renew", "Authorization": "Bearer t"}
     body = {"model": stack.model_name, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 8}
-    with httpx.Client(base_url=router.url, timeout=120) as c:
+    with httpx.Client(base_url=router.url, timeout=600) as c:
         r = c.post("/v1/chat/completions", json=body, headers=h)
         assert r.status_code == 200 and r.headers[HEADER_STATUS] == "first"
         assert "kv_transfer_params" not in r.text
@@ -150,7 +160,7 @@ def test_router_restart_with_redis_keeps_hits(stack: Any, start_router: Callable
         messages = [{"role": "user", "content": QUESTION}]
         body = {"model": stack.model_name, "messages": messages, "max_tokens": 16, "temperature": 0.0}
         first = start_router("--state", redis.url)
-        with httpx.Client(timeout=120) as c:
+        with httpx.Client(timeout=600) as c:
             r1 = c.post(first.url + "/v1/chat/completions", json=body, headers=h)
             assert r1.headers[HEADER_STATUS] == "first"
             first.stop()

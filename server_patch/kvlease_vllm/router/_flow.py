@@ -234,6 +234,8 @@ async def _run(
         return _passthrough(router, turn, e)
     except _UpstreamDown as e:
         return error_response(502, f"no prefill node answered: {e}", "upstream_error")
+    except orjson.JSONEncodeError as e:  # parsed, but nested deeper than orjson writes (254 levels)
+        return _bad(f"request body cannot be forwarded: {e}", router)
     if handle is not None and turn.status is ReuseStatus.HIT:  # P answered with the handle
         turn.status, turn.reused = judge_prefill(p_out, turn.state.tokens if turn.state else 0)
         if turn.reused:
