@@ -14,11 +14,12 @@ from typing import Any, ClassVar
 import pytest
 from langchain_core.messages import AIMessageChunk, BaseMessage, HumanMessage
 from langchain_tests.integration_tests import ChatModelIntegrationTests
-from test_router_real_stack import QUESTION, RouterProcess
 
 import kvlease
 from kvlease_langchain import ChatKVLease
 from kvlease_vllm.stack import Stack, StackSpec
+
+from .test_router_real_stack import QUESTION, RouterProcess
 
 pytestmark = pytest.mark.integration
 
