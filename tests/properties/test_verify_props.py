@@ -1,0 +1,202 @@
+"""Properties of token-exact prefix verification (hypothesis).
+
+The connector must never report more matched blocks than truly match: D's sequence and P's prompt
+are generated as a token list and a randomly edited copy, and the verified count is compared with
+the brute-force common prefix in whole blocks.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from kvlease.protocol import KV, LEASE_HANDLE_MAC, block_hashes, common_prefix_blocks
+from kvlease_vllm._verify import (
+    HandleRejected,
+    RemoteHandle,
+    handle_ext,
+    handle_mac,
+    parse_handle,
+    verified_blocks,
+)
+
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+# a small alphabet, so random edits often re-create equal tokens (the dangerous near-misses)
+tokens = st.lists(st.integers(0, 5), min_size=0, max_size=120)
+block_sizes = st.sampled_from([1, 2, 3, 4, 16])
+
+
+@st.composite
+def edited(draw: st.DrawFn, base: list[int]) -> list[int]:
+    """``base`` with a few random edits: replace, insert, delete, truncate, append."""
+    out = list(base)
+    for _ in range(draw(st.integers(0, 4))):
+        op = draw(st.sampled_from(["replace", "insert", "delete", "truncate", "append"]))
+        i = draw(st.integers(0, len(out)))
+        if op == "replace" and i < len(out):
+            out[i] = draw(st.integers(0, 5))
+        elif op == "insert":
+            out.insert(i, draw(st.integers(0, 5)))
+        elif op == "delete" and i < len(out):
+            del out[i]
+        elif op == "truncate":
+            out = out[:i]
+        else:
+            out += draw(st.lists(st.integers(0, 5), max_size=40))
+    return out
+
+
+def true_common_blocks(a: list[int], b: list[int], bs: int) -> int:
+    """Brute force: leading whole blocks that are equal token for token."""
+    n = 0
+    while (n + 1) * bs <= min(len(a), len(b)) and a[n * bs : (n + 1) * bs] == b[n * bs : (n + 1) * bs]:
+        n += 1
+    return n
+
+
+def handle_for(
+    d_tokens: list[int], bs: int, *, salt: str | None = None, named_blocks: int | None = None
+) -> RemoteHandle:
+    ext = handle_ext(
+        token_ids=d_tokens,
+        num_tokens=len(d_tokens),
+        block_size=bs,
+        salt=salt,
+        lease_id="lease",
+        engine_id="engine-d",
+        control=None,
+    )
+    n_ids = -(-len(d_tokens) // bs) if named_blocks is None else named_blocks
+    return RemoteHandle(ext, "engine-d", "lease", "127.0.0.1", 5600, (tuple(range(n_ids)),), len(d_tokens))
+
+
+@SETTINGS
+@given(data=st.data(), d_tokens=tokens, bs=block_sizes)
+def test_verified_blocks_never_exceed_the_true_common_prefix(
+    data: st.DataObject, d_tokens: list[int], bs: int
+) -> None:
+    prompt = data.draw(edited(d_tokens))
+    n = verified_blocks(handle_for(d_tokens, bs), prompt, None, bs)
+    truth = true_common_blocks(d_tokens, prompt, bs)
+    assert n <= truth
+    # and it is exact within its limits: at least one prompt token is left to compute
+    limit = (len(prompt) - 1) // bs if prompt else 0
+    assert n == min(truth, limit, len(d_tokens) // bs)
+
+
+@SETTINGS
+@given(data=st.data(), d_tokens=tokens, bs=block_sizes)
+def test_handle_naming_fewer_blocks_bounds_the_pull(
+    data: st.DataObject, d_tokens: list[int], bs: int
+) -> None:
+    prompt = data.draw(edited(d_tokens))
+    named = data.draw(st.integers(0, len(d_tokens) // bs + 1))
+    n = verified_blocks(handle_for(d_tokens, bs, named_blocks=named), prompt, None, bs)
+    assert n <= min(named, true_common_blocks(d_tokens, prompt, bs))
+
+
+@SETTINGS
+@given(a=tokens, b=tokens, bs=block_sizes, salt=st.sampled_from([None, "", "tenant-a"]))
+def test_hash_chains_agree_exactly_on_the_common_whole_blocks(
+    a: list[int], b: list[int], bs: int, salt: str | None
+) -> None:
+    ha, hb = block_hashes(a, bs, salt), block_hashes(b, bs, salt)
+    assert len(ha) == len(a) // bs
+    assert common_prefix_blocks(ha, hb) == true_common_blocks(a, b, bs)
+
+
+@SETTINGS
+@given(
+    d_tokens=st.lists(st.integers(0, 5), min_size=4, max_size=80),
+    bs=block_sizes,
+    salts=st.sampled_from([("a", "b"), (None, "a"), ("a", None)]),
+)
+def test_different_salts_never_match(
+    d_tokens: list[int], bs: int, salts: tuple[str | None, str | None]
+) -> None:
+    """A tenant's ``cache_salt`` seeds the chain: the same tokens under another salt verify nothing."""
+    prompt = d_tokens + [0]
+    assert verified_blocks(handle_for(d_tokens, bs, salt=salts[0]), prompt, salts[1], bs) == 0
+
+
+# ---- MAC-signed handles: any edit of a signed field is rejected ------------------------------------
+
+SECRET = "control-secret"
+MAC_FIELDS = [
+    KV.REMOTE_ENGINE_ID,
+    KV.REMOTE_REQUEST_ID,
+    KV.REMOTE_HOST,
+    KV.REMOTE_PORT,
+    KV.REMOTE_BLOCK_IDS,
+    KV.REMOTE_NUM_TOKENS,
+    KV.TP_SIZE,
+    "kvlease.hashes",
+    "kvlease.num_tokens",
+    "kvlease.block_size",
+    "kvlease.lease_id",
+    "kvlease.control",
+]
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=6,
+)
+
+
+def signed_params(d_tokens: list[int], bs: int) -> dict[str, Any]:
+    ext = handle_ext(
+        token_ids=d_tokens,
+        num_tokens=len(d_tokens),
+        block_size=bs,
+        salt=None,
+        lease_id="lease-1",
+        engine_id="engine-d",
+        control="http://127.0.0.1:9100",
+    )
+    params: dict[str, Any] = {
+        KV.DO_REMOTE_DECODE: True,
+        KV.DO_REMOTE_PREFILL: False,
+        KV.REMOTE_ENGINE_ID: "engine-d",
+        KV.REMOTE_REQUEST_ID: "lease-1",
+        KV.REMOTE_HOST: "127.0.0.1",
+        KV.REMOTE_PORT: 5600,
+        KV.REMOTE_BLOCK_IDS: [list(range(-(-len(d_tokens) // bs)))],
+        KV.REMOTE_NUM_TOKENS: len(d_tokens),
+        KV.REMOTE_BLOCKS_EXPIRY_TIME: None,
+        KV.TP_SIZE: 1,
+        KV.KVLEASE: ext.to_json(),
+    }
+    params[KV.KVLEASE][LEASE_HANDLE_MAC] = handle_mac(SECRET, params)
+    return params
+
+
+def parse_signed(params: dict[str, Any]) -> RemoteHandle:
+    return parse_handle(
+        params, num_groups=1, host_allowed=lambda h: True, max_parallel=1 << 30, secret=SECRET
+    )
+
+
+@SETTINGS
+@given(
+    d_tokens=st.lists(st.integers(0, 5), min_size=16, max_size=64),
+    field=st.sampled_from(MAC_FIELDS),
+    value=json_values,
+)
+def test_any_edit_of_a_signed_field_is_rejected(d_tokens: list[int], field: str, value: Any) -> None:
+    params = signed_params(d_tokens, 4)
+    parse_signed(params)  # the untouched handle is accepted
+    edited_params = copy.deepcopy(params)
+    target, key = (
+        (edited_params[KV.KVLEASE], field.split(".", 1)[1]) if "." in field else (edited_params, field)
+    )
+    assume(target.get(key) != value)
+    target[key] = value
+    try:
+        parse_signed(edited_params)
+    except HandleRejected:
+        return
+    raise AssertionError(f"edited {field}={value!r} was accepted")
