@@ -113,6 +113,8 @@ def test_restart_decode_keeps_ports_and_serves(stack_factory: Callable[[StackSpe
 def test_stop_leaves_no_process(stack_factory: Callable[[StackSpec], Stack]) -> None:
     stack = stack_factory(StackSpec(connector="nixl", plugin=False))
     assert stack.prefill.control is None
+    # plugin=False: vLLM's own plugins load, kvlease's does not.
+    assert "kvlease plugin" not in stack.prefill.log_text()
     _, d = turn(stack, PROMPT + "# nixl", salt=uuid.uuid4().hex)
     assert d["usage"]["completion_tokens"] >= 1
     pgids = [stack.prefill.pgid, stack.decode.pgid]

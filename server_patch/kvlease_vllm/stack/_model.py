@@ -46,7 +46,7 @@ MODEL_SPECS: dict[str, dict[str, Any]] = {
         "num_layers": 4,
         "hidden_size": 256,
         "intermediate_size": 768,
-        "train_steps": 180,
+        "train_steps": 300,
         "verify_prompt_dependence": True,
     },
     "small": {
@@ -92,7 +92,7 @@ def ensure_model(
     with file_lock(models_dir(home) / f".{name}.lock"):
         if model_ready(name, home):
             return final
-        tmp = final.with_name(f".{final.name}.tmp")
+        tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         say(f"building model {name!r} into {final} (no downloads; tiny trains for a few minutes)")
         t0 = time.monotonic()
