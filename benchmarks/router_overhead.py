@@ -154,12 +154,17 @@ def _body(messages: list[dict[str, str]]) -> dict[str, Any]:
     return {"model": "fake-model", "messages": messages, "stream": True, "max_tokens": MAX_TOKENS}
 
 
+class _TurnFailed(Exception):
+    pass
+
+
 def make_proxy_turn(base: str) -> Turn:
     async def turn(s: aiohttp.ClientSession, cid: str, messages: list[dict[str, str]]) -> str:
         async with s.post(
             base + "/v1/chat/completions", json=_body(messages), headers={"X-Conversation-Id": cid}
         ) as r:
-            assert r.status == 200, r.status
+            if r.status != 200:
+                raise _TurnFailed(f"HTTP {r.status}: {(await r.read())[:200]!r}")
             return await _stream_text(r)
 
     return turn
@@ -188,13 +193,25 @@ def make_direct_pd_turn(prefill: str, decode: str) -> Turn:
 
 
 async def _conversation(
-    s: aiohttp.ClientSession, turn: Turn, cid: str, stop_at: float, lat: list[float], max_turns: int
+    s: aiohttp.ClientSession,
+    turn: Turn,
+    cid: str,
+    stop_at: float,
+    lat: list[float],
+    max_turns: int,
+    errors: list[str],
 ) -> None:
     messages = [{"role": "user", "content": f"conversation {cid}: " + "tell me something " * 20}]
     n = 0
     while time.perf_counter() < stop_at and n < max_turns:
         t0 = time.perf_counter()
-        text = await turn(s, cid, messages)
+        try:
+            text = await turn(s, cid, messages)
+        except (_TurnFailed, aiohttp.ClientError) as e:  # counted, reported, never hidden
+            errors.append(str(e))
+            n += 1
+            await asyncio.sleep(0.01)
+            continue
         lat.append(time.perf_counter() - t0)
         n += 1
         messages = [
@@ -207,13 +224,14 @@ async def _conversation(
             cid = cid + "x"
 
 
-async def _load(turn: Turn, concurrency: int, seconds: float, warmup_turns: int = 2) -> dict[str, float]:
+async def _load(turn: Turn, concurrency: int, seconds: float, warmup_turns: int = 2) -> dict[str, Any]:
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as s:
         warm: list[float] = []
+        errors: list[str] = []
         await asyncio.gather(
             *(
-                _conversation(s, turn, f"w{i}", time.perf_counter() + 30, warm, warmup_turns)
+                _conversation(s, turn, f"w{i}", time.perf_counter() + 30, warm, warmup_turns, errors)
                 for i in range(concurrency)
             )
         )
@@ -222,7 +240,7 @@ async def _load(turn: Turn, concurrency: int, seconds: float, warmup_turns: int 
         stop_at = t0 + seconds
         tag = f"c{time.monotonic_ns()}"
         await asyncio.gather(
-            *(_conversation(s, turn, f"{tag}-{i}", stop_at, lat, 1 << 30) for i in range(concurrency))
+            *(_conversation(s, turn, f"{tag}-{i}", stop_at, lat, 1 << 30, errors) for i in range(concurrency))
         )
         elapsed = time.perf_counter() - t0
     lat.sort()
@@ -231,6 +249,8 @@ async def _load(turn: Turn, concurrency: int, seconds: float, warmup_turns: int 
         "turns_per_s": round(len(lat) / elapsed, 1),
         "p50_ms": round(1000 * statistics.median(lat), 3),
         "p99_ms": round(1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))], 3),
+        "failed_turns": len(errors),
+        "first_error": errors[0] if errors else None,
     }
 
 
@@ -323,7 +343,7 @@ def run(quick: bool = False) -> dict[str, Any]:
             runner = asyncio.run
 
         async def go() -> dict[str, Any]:
-            await _wait_http(urls["baseline"] + "/docs")
+            await _wait_http(urls["baseline"] + "/docs", timeout=180.0)
             return await _measure(quick, urls)
 
         result: dict[str, Any] = runner(go())
