@@ -110,11 +110,13 @@ async def running_cluster(
             prefill=(NodeSpec(pair.prefill.url, pair.prefill.control if kvlease else None),),
             decode=tuple(NodeSpec(decode_url or d.url, d.control if kvlease else None) for d in pair.decodes),
             control_secret=pair.config.control_secret if kvlease else None,
-            key_secret="security-test-key-secret",
-            health_interval=0.5,
-            unhealthy_for=0.5,
-            startup_timeout=10.0,
-            **overrides,
+            **{
+                "key_secret": "security-test-key-secret",
+                "health_interval": 0.5,
+                "unhealthy_for": 0.5,
+                "startup_timeout": 10.0,
+                **overrides,
+            },
         )
         app = create_app(settings, MemoryStore(10_000))
         runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=0.5)
