@@ -23,6 +23,7 @@ from kvlease import protocol
 from kvlease.protocol import InvalidConversationId, ProtocolError, ReuseStatus
 
 if TYPE_CHECKING:
+    from kvlease._analyze import AnalysisReport, AnalyzeError, analyze
     from kvlease._client import AsyncConversation, AsyncKVLeaseClient, Conversation, KVLeaseClient, wrap
     from kvlease._core import Turn
     from kvlease._errors import KVLeaseError, KVLeaseWarning, LeaseError, ReuseOffWarning
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = [
+    "AnalysisReport",
+    "AnalyzeError",
     "AssistantReply",
     "AsyncConversation",
     "AsyncKVLeaseClient",
@@ -56,6 +59,7 @@ __all__ = [
     "TurnLog",
     "Verdict",
     "__version__",
+    "analyze",
     "protocol",
     "wrap",
 ]
@@ -80,6 +84,9 @@ _LAZY: dict[str, str] = {
     "ToolCall": "kvlease._strip",
     "Verdict": "kvlease._strip",
     "TurnLog": "kvlease._turnlog",
+    "AnalysisReport": "kvlease._analyze",
+    "AnalyzeError": "kvlease._analyze",
+    "analyze": "kvlease._analyze",
 }
 
 

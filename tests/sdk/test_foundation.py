@@ -130,6 +130,8 @@ def test_control_shapes() -> None:
 
 def test_public_api_is_pinned() -> None:
     assert sorted(kvlease.__all__) == [
+        "AnalysisReport",
+        "AnalyzeError",
         "AssistantReply",
         "AsyncConversation",
         "AsyncKVLeaseClient",
@@ -152,6 +154,7 @@ def test_public_api_is_pinned() -> None:
         "TurnLog",
         "Verdict",
         "__version__",
+        "analyze",
         "protocol",
         "wrap",
     ]
