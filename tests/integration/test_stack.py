@@ -70,7 +70,6 @@ def test_prefill_to_decode_turn_pulls_kv_over_nixl(stack: Stack) -> None:
     assert after.total("vllm:nixl_num_failed_transfers_total") == before.total(
         "vllm:nixl_num_failed_transfers_total"
     )
-    assert "External prefix cache hit rate" in stack.decode.log_text()
 
 
 def test_greedy_output_is_deterministic_and_depends_on_the_prompt(stack: Stack) -> None:
