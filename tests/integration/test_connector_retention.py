@@ -50,7 +50,8 @@ def test_cap_releases_oldest_lease_and_its_holder_recomputes(pd: PD) -> None:
     before = d_metric(pd, 'kvlease_lease_releases_total{cause="cap"}')
     b1 = pd.turn(first + [first[-1]], None, sb)  # a second conversation, one token longer
     assert a1.handle is not None and b1.handle is not None
-    assert d_metric(pd, 'kvlease_lease_releases_total{cause="cap"}') == before + 1
+    # oldest deadline first: older leases (the warm-up turn's) go before a's, and a's must go too
+    assert d_metric(pd, 'kvlease_lease_releases_total{cause="cap"}') >= before + 1
     assert d_metric(pd, "kvlease_retained_blocks") <= cap
 
     a2 = pd.turn(exact(pd, a1.output), a1.handle, sa)  # a's lease was released early
