@@ -122,9 +122,8 @@ def test_stop_leaves_no_process(stack_factory: Callable[[StackSpec], Stack]) -> 
     stack.stop()  # idempotent
     for g in pgids:
         assert g is not None
+        # Nothing alive is left (an exited engine process may stay a zombie until init reaps it).
         assert not group_members(g), f"processes left in group {g}"
-        with pytest.raises(ProcessLookupError):
-            os.killpg(g, 0)
     assert not stack.alive()
 
 
