@@ -243,6 +243,10 @@ def _summary(con: Any, r: DemoResult, on: float | None, off: float | None) -> No
         )
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def demo(
     pause: float = typer.Option(28.0, help="Seconds the slow tool runs (longer than the 20 s TTL)."),
     turns: int = typer.Option(6, help="Turns per conversation."),
@@ -254,6 +258,7 @@ def demo(
     from kvlease_vllm.stack import Stack, StackSpec
 
     con = Console()
+    signal.signal(signal.SIGTERM, _interrupt)  # stop everything on SIGTERM as on Ctrl-C
     con.rule("kvlease demo")
     con.print(
         "Starting a vLLM prefill server and a decode server (first run installs vLLM and builds a model)..."
