@@ -10,6 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvlease._analyze._types import AnalysisReport
+from kvlease.protocol import HEADER_REUSED_TOKENS
 
 _VERDICT_STYLE = {"kvlease": "bold green", "prefix-caching": "bold yellow", "no-data": "bold"}
 
@@ -88,7 +89,7 @@ def render_table(report: AnalysisReport) -> Table:
         seen = ", ".join(f"{k} {v:,}" for k, v in sorted(r.statuses.items(), key=lambda kv: -kv[1]))
         t.add_section()
         t.add_row("observed statuses", "", seen)
-        t.add_row("observed reused tokens", _int(r.reused_tokens_observed), "from X-KVLease-Reused-Tokens")
+        t.add_row("observed reused tokens", _int(r.reused_tokens_observed), f"from {HEADER_REUSED_TOKENS}")
     return t
 
 
