@@ -54,12 +54,14 @@ def test_cap_releases_oldest_lease_and_its_holder_recomputes(pd: PD) -> None:
     assert d_metric(pd, 'kvlease_lease_releases_total{cause="cap"}') >= before + 1
     assert d_metric(pd, "kvlease_retained_blocks") <= cap
 
+    # b first: every finished turn leaves a new lease on D, and with room for one conversation a's
+    # second turn would push b's lease out in turn
+    b2 = pd.turn(first + [first[-1]] + b1.output + exact(pd, [])[len(first) :], b1.handle, sb)
+    assert reused(b2) > 0  # the newest lease survived and is pulled
+
     a2 = pd.turn(exact(pd, a1.output), a1.handle, sa)  # a's lease was released early
     assert reused(a2) == 0
     assert a2.p_params[KV.KVLEASE][PREFILL_REUSE_STATUS] == "expired"
-
-    b2 = pd.turn(first + [first[-1]] + b1.output + exact(pd, [])[len(first) :], b1.handle, sb)
-    assert reused(b2) > 0  # the newest lease survived and is pulled
 
     ref = salt()
     r1 = pd.turn(first, None, ref)
