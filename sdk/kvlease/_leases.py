@@ -7,6 +7,11 @@ cost one request per period and a few hundred bytes each. A conversation idle fo
 ``max_idle`` is dropped before a renewal and handed back for release; an ``unknown`` in the answer
 drops that one (its next turn starts a new lease).
 
+The period never shrinks below ``min_fraction`` (10 %) of the router's TTL: a router that answers
+with a lease's remaining time without extending it (a capped lease lifetime, a lease about to be
+released) must not pull the keeper into ever faster renewals. A lease whose deadline the answer left where it was does not set the
+period either; renewing it sooner would not keep it longer.
+
 :class:`LeaseWire` builds the HTTP requests and reads the answers, mapping errors to
 :class:`~kvlease.LeaseError` (``transient`` ones are retried by the IO shells).
 """
@@ -23,6 +28,7 @@ from kvlease._errors import LeaseError
 
 __all__ = ["LeaseTable", "LeaseWire", "ReleaseOrder", "RenewBatch", "RetryPolicy", "TransientLeaseError"]
 
+_STUCK_FRACTION: Final = 0.02  # deadlines this close (of the TTL) count as not moved by a renewal
 _RETRY_STATUS: Final = frozenset({408, 425, 429, 500, 502, 503, 504})
 
 
@@ -80,18 +86,24 @@ class LeaseTable:
     """Open leases of one client, per router (see the module docstring). Not thread-safe: the IO
     shells hold a lock around it."""
 
-    def __init__(self, *, max_idle: float, renew_fraction: float = 0.6) -> None:
+    def __init__(self, *, max_idle: float, renew_fraction: float = 0.6, min_fraction: float = 0.1) -> None:
         if not 0 < renew_fraction < 1:
             raise ValueError("renew_fraction must be in (0, 1)")
         if max_idle <= 0:
             raise ValueError("max_idle must be positive")
+        if not 0 < min_fraction <= renew_fraction:
+            raise ValueError("min_fraction must be in (0, renew_fraction]")
         self.max_idle = max_idle
         self.renew_fraction = renew_fraction
+        self.min_fraction = min_fraction
         self._routers: dict[str, _Router] = {}
         self._where: dict[str, str] = {}  # conversation id -> router root
 
     def __len__(self) -> int:
         return len(self._where)
+
+    def _period(self, router: _Router, remaining: float) -> float:
+        return max(self.min_fraction * router.ttl, self.renew_fraction * remaining)
 
     def __contains__(self, conversation_id: object) -> bool:
         return conversation_id in self._where
@@ -175,9 +187,12 @@ class LeaseTable:
                 del router.leases[cid]
                 self._where.pop(cid, None)
                 continue
+            # a deadline the answer left where it was will not move by renewing sooner
+            stuck = abs(now + exp - lease.expires_at) <= _STUCK_FRACTION * router.ttl
             lease.expires_at = now + exp
-            shortest = min(shortest, exp)
-        router.next_due = now + self.renew_fraction * shortest
+            if not stuck:
+                shortest = min(shortest, exp)
+        router.next_due = now + self._period(router, shortest)
         return unknown
 
     def failed(self, batch: RenewBatch, now: float, *, permanent: bool) -> list[str]:

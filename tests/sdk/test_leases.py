@@ -120,3 +120,39 @@ def test_wire_shapes_and_error_mapping() -> None:
     LeaseWire.release_answer(404, b"")  # already gone is fine
     with pytest.raises(TransientLeaseError):
         LeaseWire.release_answer(500, b"")
+
+
+def test_unextended_answers_do_not_accelerate_renewals() -> None:
+    """A router that answers with the remaining time but never extends (a capped lease lifetime)
+    must not pull the keeper into ever faster renewals: one renew per period, never below 1 s."""
+    t = _table()
+    t.activate("capped", R1, 30.0, {}, now=0.0, explicit=True)
+    deadline = 30.0  # the router never moves it
+    now, renewals = 0.0, 0
+    while (wake := t.next_wakeup()) is not None and wake < deadline:
+        now = wake
+        batches, _ = t.due(now)
+        for b in batches:
+            renewals += 1
+            t.renewed(b, protocol.RenewResponse(leases={"capped": deadline - now}, ttl=30.0), now)
+    # the first renew at 18 s learns the lease was not extended; the next period is the full 0.6*TTL
+    assert renewals == 1
+
+
+def test_short_remaining_times_are_floored_at_a_tenth_of_the_ttl() -> None:
+    t = _table()
+    t.activate("a", R1, 30.0, {}, now=0.0, explicit=True)
+    (b,), _ = t.due(18.0)
+    t.renewed(b, protocol.RenewResponse(leases={"a": 12.0}, ttl=30.0), 18.0)  # deadline stays at 30
+    assert t.next_wakeup() == pytest.approx(18.0 + 18.0)  # so a does not set the period
+    t.activate("b", R1, 30.0, {}, now=19.0, explicit=True)
+    (b,), _ = t.due(36.0)
+    t.renewed(b, protocol.RenewResponse(leases={"b": 0.5}, ttl=30.0), 36.0)  # a unknown; b shortened
+    assert t.next_wakeup() == pytest.approx(36.0 + 3.0)  # 0.3 s floored at 10 % of the TTL
+    t2 = _table()
+    t2.activate("c", R1, 30.0, {}, now=0.0, explicit=True)
+    (b,), _ = t2.due(18.0)
+    t2.renewed(b, protocol.RenewResponse(leases={"c": 2.0}, ttl=30.0), 18.0)  # moved to 20
+    assert t2.next_wakeup() == pytest.approx(21.0)  # 10 % of the TTL, not 1.2 s
+    with pytest.raises(ValueError, match="min_fraction"):
+        LeaseTable(max_idle=10.0, min_fraction=0.0)
