@@ -122,7 +122,13 @@ async def _health_loop(router: Router) -> None:
 
 def _lifespan(router: Router) -> Callable[[web.Application], AsyncIterator[None]]:
     async def lifespan(app: web.Application) -> AsyncIterator[None]:
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, ttl_dns_cache=300)
+        s = router.settings
+        connector = aiohttp.TCPConnector(
+            limit=0,
+            limit_per_host=s.upstream_connections,
+            keepalive_timeout=s.keepalive_timeout,
+            ttl_dns_cache=300,
+        )
         router.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
         health: asyncio.Task[None] | None = None
         try:

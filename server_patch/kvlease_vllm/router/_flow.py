@@ -157,13 +157,34 @@ def _prefill_body(turn: _Turn, handle: dict[str, Any] | None) -> bytes:
     return orjson.dumps(p)
 
 
+#: Failures where the node did not take the request (refused, or a pooled keep-alive connection it
+#: had closed): worth one more try on the same node before calling it down.
+_NOT_TAKEN = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError)
+
+
+async def _send(
+    router: Router, url: str, data: bytes, headers: dict[str, str], timeout: aiohttp.ClientTimeout
+) -> aiohttp.ClientResponse:
+    """POST with one quick retry when the connection failed before an answer (a full listen
+    backlog, a keep-alive connection closed under us). A duplicate is harmless: P and D compute the
+    same answer again, and a repeated pull of blocks P already freed recomputes."""
+    try:
+        return await router.http().post(url, data=data, headers=headers, timeout=timeout)
+    except _NOT_TAKEN as e:
+        log.info("upstream %s: %s; retrying once", url, type(e).__name__)
+        router.metrics.upstream_retries.inc()
+        await asyncio.sleep(0.05)
+        return await router.http().post(url, data=data, headers=headers, timeout=timeout)
+
+
 async def _post_json(
     router: Router, node: Node, path: str, data: bytes, headers: dict[str, str]
 ) -> dict[str, Any]:
     s = router.settings
-    timeout = aiohttp.ClientTimeout(total=s.prefill_timeout, connect=s.connect_timeout)
+    # sock_connect bounds opening a connection; waiting for a free pooled one counts against total
+    timeout = aiohttp.ClientTimeout(total=s.prefill_timeout, sock_connect=s.connect_timeout)
     try:
-        async with router.http().post(node.url + path, data=data, headers=headers, timeout=timeout) as resp:
+        async with await _send(router, node.url + path, data, headers, timeout) as resp:
             raw = await resp.read()
             if resp.status >= 400:
                 raise _Upstream4xx(resp.status, raw, resp.content_type)
@@ -278,7 +299,12 @@ async def _decode(
 ) -> web.StreamResponse:
     pool = router.upstreams.decode
     s = router.settings
-    timeout = aiohttp.ClientTimeout(total=None, connect=s.connect_timeout, sock_read=s.decode_read_timeout)
+    timeout = aiohttp.ClientTimeout(
+        total=None,
+        connect=s.decode_read_timeout,  # a free pooled connection, or a new one...
+        sock_connect=s.connect_timeout,  # ...opened within this
+        sock_read=s.decode_read_timeout,
+    )
     headers = _headers(request)
     prefer = turn.state.decode if turn.state else None
     tried: list[Node] = []
@@ -287,9 +313,7 @@ async def _decode(
         t0 = time.perf_counter()
         with pool.using(node):
             try:
-                upstream = await router.http().post(
-                    node.url + request.path, data=d_body, headers=headers, timeout=timeout
-                )
+                upstream = await _send(router, node.url + request.path, d_body, headers, timeout)
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 router.upstreams.mark_down(node, time.monotonic())
                 router.metrics.upstream_errors["decode"].inc()

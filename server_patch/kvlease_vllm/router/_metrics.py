@@ -49,6 +49,11 @@ class RouterMetrics:
         self.handle_retries = Counter(
             "kvlease_router_prefill_retries_without_handle", "Prefill retried without the handle", registry=r
         )
+        self.upstream_retries = Counter(
+            "kvlease_router_upstream_retries",
+            "Requests sent again to the same node after it did not take them (refused, connection closed)",
+            registry=r,
+        )
         self.client_errors = Counter(
             "kvlease_router_client_errors", "Requests rejected with a 4xx", registry=r
         )

@@ -56,7 +56,12 @@ class RouterSettings:
     state: str | None = None
     memory_max_entries: int = 100_000
     max_body_bytes: int = 16 * 1024 * 1024
-    #: Timeouts (seconds).
+    #: Open connections per upstream node (past it requests wait for a free one: backpressure
+    #: instead of a connect storm); idle ones are closed after ``keepalive_timeout`` seconds.
+    upstream_connections: int = 256
+    keepalive_timeout: float = 15.0
+    #: Timeouts (seconds). ``connect_timeout`` bounds opening one TCP connection, not the wait for
+    #: a free pooled one (that wait is bounded by the request's own timeout).
     connect_timeout: float = 5.0
     prefill_timeout: float = 600.0
     decode_read_timeout: float = 600.0
@@ -95,6 +100,10 @@ class RouterSettings:
             raise ConfigError("ttl_margin must not be negative")
         if self.max_body_bytes < 1024:
             raise ConfigError("max_body_bytes must be at least 1024")
+        if self.upstream_connections < 1:
+            raise ConfigError("upstream_connections must be at least 1")
+        if self.keepalive_timeout <= 0:
+            raise ConfigError("keepalive_timeout must be positive")
         if self.memory_max_entries < 1:
             raise ConfigError("memory_max_entries must be at least 1")
         if self.state is not None and not self.state.startswith(("redis://", "rediss://", "unix://")):

@@ -124,6 +124,9 @@ def app(
     max_body_bytes: int | None = typer.Option(
         None, "--max-body-bytes", help="Request body limit (413 above)."
     ),
+    upstream_connections: int | None = typer.Option(
+        None, "--upstream-connections", help="Open connections per upstream node (default 256)."
+    ),
     log_level: str = typer.Option("info", "--log-level"),
     log_json: bool = typer.Option(True, "--log-json/--log-text"),
 ) -> None:
@@ -151,6 +154,7 @@ def app(
             ("tenant_header", tenant_header),
             ("startup_timeout", startup_timeout),
             ("max_body_bytes", max_body_bytes),
+            ("upstream_connections", upstream_connections),
         ):
             if value is not None:
                 kwargs[name] = value

@@ -98,14 +98,16 @@ async def make_cluster() -> AsyncIterator[ClusterFactory]:
         n_decode: int = 1,
         store: StateStore | None = None,
         pair: FakePair | None = None,
+        decode_url: Callable[[str], str] = lambda url: url,
         **overrides: Any,
     ) -> Cluster:
+        """``decode_url`` maps each fake D's URL to the one the router is given (e.g. a proxy's)."""
         if pair is None:
             pair = await FakePair(config or FakeConfig(), n_decode).__aenter__()
         kvlease = pair.config.kvlease
         settings = RouterSettings(
             prefill=(NodeSpec(pair.prefill.url, pair.prefill.control if kvlease else None),),
-            decode=tuple(NodeSpec(d.url, d.control if kvlease else None) for d in pair.decodes),
+            decode=tuple(NodeSpec(decode_url(d.url), d.control if kvlease else None) for d in pair.decodes),
             control_secret=SECRET if kvlease else None,
             key_secret="test-key-secret",
             health_interval=0.2,
