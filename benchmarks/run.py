@@ -32,7 +32,11 @@ BENCHMARKS: dict[str, tuple[str, str, bool]] = {
         "Router added latency and throughput vs direct and a FastAPI+httpx proxy",
         False,
     ),
-    "soak": ("soak", "Soak: 1,000 conversations x 5 turns with mid-stream hang-ups (fake P/D)", False),
+    "soak": (
+        "soak",
+        "Soak: 2 rounds of 1,000 conversations x 5 turns with mid-stream hang-ups (fake P/D)",
+        False,
+    ),
     "analyze": ("analyze_throughput", "Analyzer throughput and memory on a generated log", False),
     "plugin": ("bench_plugin_stream", "vLLM plugin: streaming overhead", True),
     "ttft": ("turn_ttft", "Turn-2 prefill time: kvlease pull vs recompute vs upstream pull", True),

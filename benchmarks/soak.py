@@ -16,7 +16,10 @@ Checks and figures:
   the concurrency or sockets stuck in CLOSE_WAIT are leaks; the fake's open streams and the
   router's in-flight gauge must be 0.
 
-Run: ``python benchmarks/soak.py [--quick]`` (1,000 x 5; quick: 200 x 5).
+The load runs ``rounds`` times (default 2) on one router: memory that is flat grows in the first
+round (pools, caches, the state store filling) and much less in the next; a leak grows every round.
+
+Run: ``python benchmarks/soak.py [--quick]`` (2 x 1,000 x 5; quick: 2 x 200 x 5).
 """
 
 from __future__ import annotations
@@ -192,7 +195,13 @@ async def _gauge(s: aiohttp.ClientSession, router: str, name: str) -> float:
 
 
 async def _soak(
-    urls: dict[str, Any], router_pid: int, conversations: int, turns: int, p_drop: float, seed: int
+    urls: dict[str, Any],
+    router_pid: int,
+    conversations: int,
+    turns: int,
+    p_drop: float,
+    seed: int,
+    rounds: int,
 ) -> dict[str, Any]:
     router, prefill, decode = urls["router"], urls["prefill"], urls["decode"]
     ports = {int(u.rsplit(":", 1)[1]) for u in (prefill, decode)}
@@ -211,26 +220,33 @@ async def _soak(
         rss_before, socks_before = rss_mib(router_pid), upstream_sockets(router_pid, ports)
         t = Tally()
         t0 = time.perf_counter()
-        await asyncio.gather(
-            *(
-                _conversation(s, router, f"soak-{seed}-{i}", turns, p_drop, random.Random(rng.random()), t)
-                for i in range(conversations)
+        rss_rounds = []
+        for rnd in range(rounds):  # the same load again: a leak grows the RSS in every round
+            await asyncio.gather(
+                *(
+                    _conversation(
+                        s, router, f"soak-{seed}-{rnd}-{i}", turns, p_drop, random.Random(rng.random()), t
+                    )
+                    for i in range(conversations)
+                )
             )
-        )
-        elapsed = time.perf_counter() - t0
-        await asyncio.sleep(1.0)  # let the router finish closing what the hang-ups left behind
+            await asyncio.sleep(1.0)  # let the router finish closing what the hang-ups left behind
+            rss_rounds.append(rss_mib(router_pid))
+        elapsed = time.perf_counter() - t0 - rounds * 1.0
         p1, d1 = await _get_json(s, prefill + "/_fake/stats"), await _get_json(s, decode + "/_fake/stats")
         in_flight = await _gauge(s, router, "kvlease_router_in_flight")
         rss_after, socks_after = rss_mib(router_pid), upstream_sockets(router_pid, ports)
     p_reqs, d_reqs = p1["requests"] - p0["requests"], d1["requests"] - d0["requests"]
     lost = sum(n for done, n in t.turns_per_conversation.items() if done < turns)
+    per_round = [round(b - a, 1) for a, b in zip([rss_before, *rss_rounds], rss_rounds)]
     return {
+        "rounds": rounds,
         "conversations": conversations,
         "turns_per_conversation": turns,
         "disconnect_probability": p_drop,
         "client_attempts": t.attempts,
         "turns_completed": t.completed,
-        "turns_expected": conversations * turns,
+        "turns_expected": rounds * conversations * turns,
         "conversations_incomplete": lost,
         "wrong_or_crossed_answers": t.wrong_answers,
         "mid_stream_disconnects": t.disconnects,
@@ -243,6 +259,8 @@ async def _soak(
         "router_in_flight_after": in_flight,
         "router_rss_mib_before": rss_before,
         "router_rss_mib_after": rss_after,
+        "router_rss_mib_after_each_round": rss_rounds,
+        "router_rss_growth_mib_per_round": per_round,
         "router_upstream_sockets_before": socks_before,
         "router_upstream_sockets_after": socks_after,
         "elapsed_s": round(elapsed, 1),
@@ -269,7 +287,9 @@ def verdict(res: dict[str, Any]) -> list[str]:
     return bad
 
 
-def run_soak(conversations: int, turns: int = 5, p_drop: float = 0.1, seed: int = 1) -> dict[str, Any]:
+def run_soak(
+    conversations: int, turns: int = 5, p_drop: float = 0.1, seed: int = 1, rounds: int = 2
+) -> dict[str, Any]:
     """Start the fake pair and the router as processes, soak, stop them; return the figures."""
     py = sys.executable
     procs: list[_Proc] = []
@@ -298,7 +318,7 @@ def run_soak(conversations: int, turns: int = 5, p_drop: float = 0.1, seed: int 
             loop_run: Any = uvloop.run
         except ImportError:  # pragma: no cover
             loop_run = asyncio.run
-        res: dict[str, Any] = loop_run(_soak(urls, router.pid, conversations, turns, p_drop, seed))
+        res: dict[str, Any] = loop_run(_soak(urls, router.pid, conversations, turns, p_drop, seed, rounds))
         res["failures"] = verdict(res)
         return res
     finally:
@@ -312,7 +332,10 @@ def run(quick: bool = False) -> dict[str, Any]:
 
 def print_table(res: dict[str, Any]) -> None:
     rows = [
-        ("conversations x turns", f"{res['conversations']} x {res['turns_per_conversation']}"),
+        (
+            "rounds x conversations x turns",
+            f"{res['rounds']} x {res['conversations']} x {res['turns_per_conversation']}",
+        ),
         (
             "client attempts / completed / expected",
             f"{res['client_attempts']} / {res['turns_completed']} / {res['turns_expected']}",
@@ -324,7 +347,11 @@ def print_table(res: dict[str, Any]) -> None:
         ("D streams aborted", res["decode_streams_aborted"]),
         ("client errors", res["client_errors"] or 0),
         ("statuses", res["statuses"]),
-        ("router RSS MiB before / after", f"{res['router_rss_mib_before']} / {res['router_rss_mib_after']}"),
+        (
+            "router RSS MiB before / after each round",
+            f"{res['router_rss_mib_before']} / {res['router_rss_mib_after_each_round']}",
+        ),
+        ("router RSS growth MiB per round", res["router_rss_growth_mib_per_round"]),
         ("upstream sockets before", res["router_upstream_sockets_before"]),
         ("upstream sockets after", res["router_upstream_sockets_after"]),
         (
@@ -344,10 +371,11 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="200 conversations instead of 1,000")
     ap.add_argument("--conversations", type=int, help="override the number of conversations")
     ap.add_argument("--turns", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=2, help="repeat the load (RSS after each round)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     a = ap.parse_args()
     n = a.conversations or (200 if a.quick else 1000)
-    res = run_soak(n, a.turns)
+    res = run_soak(n, a.turns, rounds=a.rounds)
     if a.json:
         print(json.dumps(res, indent=2))
     else:

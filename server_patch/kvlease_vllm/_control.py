@@ -109,6 +109,10 @@ class LeaseDesk:
             self._table.sweep(self.clock())
             return self._table.take_updates()
 
+    def held(self) -> bool:
+        """Any lease held (a lock-free peek for the scheduler's hot path)."""
+        return len(self._table) > 0
+
     def releasing_blocks(self) -> int:
         with self._lock:
             return self._table.releasing_blocks

@@ -118,6 +118,9 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
         )
         self._pulls: dict[str, _Pull] = {}
         self._prefill_t0: dict[str, tuple[float, int]] = {}
+        #: Blocks each waiting request asked about this step still needs (dropped once allocated):
+        #: what is left at the end of the step could not get its blocks.
+        self._waiting_blocks: dict[str, int] = {}
         self._claims = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvlease-claim")
         self.control = ControlServer(
             self.desk,
@@ -156,6 +159,10 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
 
     # ------------------------------------------------------------------ P side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        if self.desk.held():
+            # the blocks the whole prompt and its first output token need, minus local prefix hits
+            need = -(-(request.num_tokens + 1) // self.block_size) - num_computed_tokens // self.block_size
+            self._waiting_blocks.setdefault(request.request_id, need)
         params = request.kv_transfer_params
         if not params or not params.get(KV.DO_REMOTE_DECODE):
             return super().get_num_new_matched_tokens(request, num_computed_tokens)
@@ -282,17 +289,25 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
             out[KV.KVLEASE][LEASE_HANDLE_MAC] = handle_mac(self.secret, out)
         return delay, out
 
+    def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
+        self._waiting_blocks.pop(request.request_id, None)
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
-        self._relieve_pressure()
+        # The first waiting request that got no blocks this step heads the queue (FCFS): free what it
+        # needs now rather than let it wait for leases to run out.
+        head = next(iter(self._waiting_blocks.values()), 0)
+        self._waiting_blocks.clear()
+        self._relieve_pressure(need=head)
         self._reqs_need_send.update(self.desk.take_updates())
         return super().build_connector_meta(scheduler_output)
 
-    def _relieve_pressure(self, emergency: bool = False) -> list[str]:
+    def _relieve_pressure(self, emergency: bool = False, need: int = 0) -> list[str]:
         leases, _ = self.desk.snapshot()
         if not leases or self.block_pool is None:
             return []
         total = self.kv_cache_config.num_blocks
-        target = total if emergency else math.ceil(self.cfg.min_free_fraction * total)
+        target = total if emergency else max(math.ceil(self.cfg.min_free_fraction * total), need)
         short = target - self.block_pool.get_num_free_blocks() - self.desk.releasing_blocks()
         released = self.desk.relieve(short) if short > 0 else []
         if released:

@@ -24,7 +24,7 @@ def _soak_module() -> ModuleType:
 @pytest.mark.slow
 def test_small_soak_loses_nothing_and_leaks_nothing() -> None:
     soak = _soak_module()
-    res = soak.run_soak(100, 5, p_drop=0.1, seed=7)
+    res = soak.run_soak(100, 5, p_drop=0.1, seed=7, rounds=1)
     assert res["failures"] == [], res
     assert res["turns_completed"] == 500 and res["conversations_incomplete"] == 0
     assert res["wrong_or_crossed_answers"] == 0

@@ -415,3 +415,12 @@ def test_child_setup_own_group_and_parent_death(die_with_parent: bool) -> None:
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(child, signal.SIGKILL)
+
+
+def test_decode_args_reach_only_the_decode_server() -> None:
+    spec = StackSpec(decode_args=("--num-gpu-blocks-override", "48"))
+    d = server_command("/py", spec, "decode", model_dir="/m", port=1, kv_config={})
+    p = server_command("/py", spec, "prefill", model_dir="/m", port=2, kv_config={})
+    assert d[-2:] == ["--num-gpu-blocks-override", "48"]
+    assert "--num-gpu-blocks-override" not in p
+    assert spec == StackSpec(decode_args=("--num-gpu-blocks-override", "48")) != StackSpec()

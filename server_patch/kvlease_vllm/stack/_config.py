@@ -46,6 +46,8 @@ class StackSpec:
     plugin: bool = True
     max_model_len: int = 4096
     extra_env: Mapping[str, str] = field(default_factory=dict)
+    #: Extra ``vllm serve`` arguments of the decode server (e.g. ``--num-gpu-blocks-override``).
+    decode_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.model not in ("tiny", "small"):
@@ -134,6 +136,8 @@ def server_command(
     ]
     if role == "prefill" and not spec.prefix_caching:
         cmd.append("--no-enable-prefix-caching")
+    if role == "decode":
+        cmd.extend(spec.decode_args)
     return cmd
 
 
