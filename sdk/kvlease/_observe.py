@@ -9,11 +9,11 @@ A body it cannot read (unknown content encoding, malformed JSON) just yields les
 
 from __future__ import annotations
 
-import json
 import zlib
 from dataclasses import dataclass
 from typing import Any
 
+from kvlease import _json
 from kvlease._strip import REASONING_FIELDS, AssistantReply, ToolCall
 
 __all__ = ["Observed", "ResponseObserver"]
@@ -125,7 +125,7 @@ class ResponseObserver:
         if self._decoder is not None:
             body = self._decoder.decompress(body) + self._decoder.flush()
         try:
-            data = json.loads(body)
+            data = _json.loads(body)
         except ValueError:
             return
         if not isinstance(data, dict):
@@ -174,7 +174,7 @@ class ResponseObserver:
             self._complete = True
             return
         try:
-            obj = json.loads(data)
+            obj = _json.loads(data)
         except ValueError:
             return
         if not isinstance(obj, dict):

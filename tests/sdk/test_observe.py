@@ -134,3 +134,14 @@ def test_unknown_encoding_and_bad_json_yield_no_reply() -> None:
     bad = ResponseObserver(sse=False)
     bad.feed(b"{oops", 1.0)
     assert bad.result().reply is None
+
+
+def test_hot_path_json_accepts_what_the_standard_library_accepts() -> None:
+    import math
+
+    from kvlease import _json
+
+    assert _json.loads(b'{"a": [1, "\\u00e9"]}') == {"a": [1, "\u00e9"]}
+    assert math.isnan(_json.loads(b'{"x": NaN}')["x"])  # orjson refuses it; json does not
+    with pytest.raises(ValueError):
+        _json.loads(b"{not json")
