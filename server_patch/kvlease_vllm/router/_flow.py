@@ -15,6 +15,7 @@ from aiohttp import web
 
 from kvlease.protocol import (
     BODY_CONVERSATION_ID,
+    CACHE_SALT,
     HEADER_REUSE,
     HEADER_REUSED_TOKENS,
     HEADER_STATUS,
@@ -92,13 +93,18 @@ async def handle_turn(request: web.Request, router: Router, chat: bool) -> web.S
     if isinstance(xargs, dict):
         xargs.pop(KV_TRANSFER_PARAMS, None)
 
+    tenant = tenant_from(request.headers, router.settings.tenant_header)
+    if router.settings.tenant_cache_salt:
+        client_salt = body.get(CACHE_SALT)
+        if client_salt is not None and not isinstance(client_salt, str):
+            return _bad("'cache_salt' must be a string", router)
+        body[CACHE_SALT] = router.keyer.cache_salt(tenant, client_salt or "")
+
     now = time.time()
     turn = _Turn(chat, body, None, None)
     store_ok = True
     if ident is not None:
-        turn.key = router.keyer.key(
-            tenant_from(request.headers, router.settings.tenant_header), ident.conversation_id
-        )
+        turn.key = router.keyer.key(tenant, ident.conversation_id)
     opted_out = (request.headers.get(HEADER_REUSE) or "").strip().lower() == REUSE_OFF
     if turn.key is not None:
         turn.state, store_ok = await router.store_get(turn.key)

@@ -85,6 +85,13 @@ class Keyer:
         msg = tenant.encode("utf-8", "surrogatepass") + b"\x00" + conversation_id.encode("ascii")
         return hmac.new(self._secret, msg, hashlib.sha256).hexdigest()
 
+    def cache_salt(self, tenant: str, client_salt: str = "") -> str:
+        """vLLM ``cache_salt`` of a tenant (and the client's own salt): prefix-cache entries and
+        verified-pull hashes of one tenant never match another's, and the value reveals neither."""
+        msg = b"cache_salt\x00" + tenant.encode("utf-8", "surrogatepass") + b"\x00"
+        msg += client_salt.encode("utf-8", "surrogatepass")
+        return hmac.new(self._secret, msg, hashlib.sha256).hexdigest()[:32]
+
 
 def log_ref(key: str) -> str:
     """A short reference to a conversation for logs (a prefix of its HMAC key, never the raw id)."""

@@ -50,6 +50,9 @@ class RouterSettings:
     expired_grace: float = 600.0
     #: Trust this request header as the tenant (else: hash of the bearer token).
     tenant_header: str | None = None
+    #: Give each tenant its own vLLM ``cache_salt`` (derived from the key secret; a client's own salt
+    #: is mixed in, never forwarded): no prefix-cache sharing, so no cache-timing signal, across tenants.
+    tenant_cache_salt: bool = False
     #: HMAC key for tenant-scoped conversation keys. Must be shared by replicas using one Redis.
     key_secret: str = field(default_factory=lambda: secrets.token_hex(32), repr=False)
     #: ``redis://...`` for the Redis store, ``None`` for the in-memory store.

@@ -117,6 +117,11 @@ def app(
     tenant_header: str | None = typer.Option(
         None, "--tenant-header", help="Trust this header as the tenant."
     ),
+    tenant_cache_salt: bool = typer.Option(
+        False,
+        "--tenant-cache-salt",
+        help="Give each tenant its own vLLM cache_salt (no cross-tenant prefix cache).",
+    ),
     no_validate: bool = typer.Option(False, "--no-validate", help="Skip start-up checks of the nodes."),
     startup_timeout: float | None = typer.Option(
         None, "--startup-timeout", help="Wait this long for the nodes."
@@ -160,6 +165,8 @@ def app(
                 kwargs[name] = value
         if no_validate:
             kwargs["validate"] = False
+        if tenant_cache_salt:
+            kwargs["tenant_cache_salt"] = True
         kwargs.setdefault("prefill", ())
         kwargs.setdefault("decode", ())
         given = "key_secret" in kwargs or bool(os.environ.get(KEY_SECRET_ENV))

@@ -202,3 +202,30 @@ async def test_another_tenants_id_never_reuses(cluster: Cluster) -> None:
         r, _ = await cluster.chat(msgs, cid="same", headers=h)
         assert r.headers[HEADER_STATUS] == "first"
     assert cluster.pair.decode.stats["reads_ok"] == 0
+
+
+async def test_tenant_cache_salt_separates_tenants_and_hides_the_clients_salt(
+    make_cluster: ClusterFactory,
+) -> None:
+    cluster = await make_cluster(tenant_cache_salt=True)
+    msgs = [{"role": "user", "content": "salted " * 40}]
+    sent = []
+    for token, client_salt in (("A", None), ("A", None), ("B", None), ("A", "mine"), ("", None)):
+        h = {"Authorization": f"Bearer {token}"} if token else {}
+        extra = {"cache_salt": client_salt} if client_salt else {}
+        r, _ = await cluster.chat(msgs, cid=f"salt-{token}", headers=h, **extra)
+        assert r.status == 200
+        p_req, d_req = cluster.pair.prefill.requests[-1], cluster.pair.decodes[0].requests[-1]
+        assert p_req["cache_salt"] == d_req["cache_salt"]  # P and D hash blocks the same way
+        sent.append(p_req["cache_salt"])
+    a1, a2, b, a_mine, anon = sent
+    assert a1 == a2  # one tenant keeps its prefix cache
+    assert len({a1, b, a_mine, anon}) == 4  # other tenants and other client salts do not share it
+    assert "mine" not in a_mine and len(a1) == 32
+    r, body = await cluster.chat(msgs, cid="bad-salt", cache_salt=7)
+    assert r.status == 400 and "cache_salt" in body["error"]["message"]
+
+
+async def test_without_tenant_cache_salt_the_clients_salt_passes_unchanged(cluster: Cluster) -> None:
+    r, _ = await cluster.chat([{"role": "user", "content": "x"}], cid="s", cache_salt="client-salt")
+    assert r.status == 200 and cluster.pair.prefill.requests[-1]["cache_salt"] == "client-salt"
