@@ -146,7 +146,7 @@ def test_server_command(prefix_caching: bool, role: str, has_flag: bool) -> None
     assert opts["--host"] == "127.0.0.1"
     assert opts["--port"] == "8100"
     assert opts["--max-model-len"] == "2048"
-    assert opts["--dtype"] == "bfloat16"
+    assert opts["--dtype"] == spec.dtype in ("float32", "bfloat16")
     assert json.loads(cmd[cmd.index("--kv-transfer-config") + 1]) == {"a": 1}
     assert "--enforce-eager" in cmd
     assert ("--no-enable-prefix-caching" in cmd) is has_flag
@@ -424,3 +424,14 @@ def test_decode_args_reach_only_the_decode_server() -> None:
     assert d[-2:] == ["--num-gpu-blocks-override", "48"]
     assert "--num-gpu-blocks-override" not in p
     assert spec == StackSpec(decode_args=("--num-gpu-blocks-override", "48")) != StackSpec()
+
+
+def test_default_dtype_follows_the_cpus_native_bf16() -> None:
+    from kvlease_vllm.stack._config import default_dtype
+
+    assert default_dtype("processor: 0\nflags\t\t: fpu avx fma f16c\n") == "float32"
+    assert default_dtype("flags : fpu avx2 avx512f avx512_bf16\n") == "bfloat16"
+    assert default_dtype("flags : fpu amx_bf16 amx_tile\n") == "bfloat16"
+    assert StackSpec(dtype="bfloat16") != StackSpec(dtype="float32")
+    with pytest.raises(ValueError, match="dtype"):
+        StackSpec(dtype="float16")

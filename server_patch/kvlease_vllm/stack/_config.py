@@ -32,6 +32,23 @@ VLLM_PLUGIN_GROUPS = (
 )
 
 
+def default_dtype(cpuinfo: str | None = None) -> str:
+    """``bfloat16`` where the CPU computes it natively (AVX512-BF16 or AMX), else ``float32``: on
+    CPUs without them vLLM's bf16 path is emulated and about 3x slower than fp32 (measured: a
+    3.6k-token prefill of the small model took 25 s in bf16 and 8 s in fp32 on an AVX-only CPU)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return "bfloat16"
+    flags = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.split(":", 1)[1].split())
+            break
+    return "bfloat16" if flags & {"avx512_bf16", "amx_bf16"} else "float32"
+
+
 @dataclass(frozen=True)
 class StackSpec:
     """What to start: equal specs describe the same running pair (the test fixture reuses it)."""
@@ -48,6 +65,8 @@ class StackSpec:
     extra_env: Mapping[str, str] = field(default_factory=dict)
     #: Extra ``vllm serve`` arguments of the decode server (e.g. ``--num-gpu-blocks-override``).
     decode_args: tuple[str, ...] = ()
+    #: Model dtype of both servers (``float32`` or ``bfloat16``); default: what this CPU runs fastest.
+    dtype: str = field(default_factory=default_dtype)
 
     def __post_init__(self) -> None:
         if self.model not in ("tiny", "small"):
@@ -58,6 +77,8 @@ class StackSpec:
             raise ValueError("ttl must be > 0")
         if self.recompute_threshold < 0:
             raise ValueError("recompute_threshold must be >= 0")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'float32' or 'bfloat16', not {self.dtype!r}")
         if self.max_model_len < 16:
             raise ValueError("max_model_len must be >= 16")
         reserved = {"control_host", "control_port", "control_secret"} & set(self.kvlease)
@@ -129,7 +150,7 @@ def server_command(
         "--max-model-len",
         str(spec.max_model_len),
         "--dtype",
-        "bfloat16",
+        spec.dtype,
         "--enforce-eager",
         "--kv-transfer-config",
         json.dumps(kv_config, separators=(",", ":")),
