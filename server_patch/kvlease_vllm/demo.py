@@ -66,9 +66,9 @@ class DemoResult:
 
 
 def _context() -> str:
-    """A deterministic 'repository' the agent was given (~1.5k tokens): what each turn resends."""
+    """A deterministic 'repository' the agent was given (~1.1k tokens): what each turn resends."""
     lines = [
-        f"def handler_{i}(request, store):\n    return store.get(request.key_{i}) or {i}\n" for i in range(60)
+        f"def handler_{i}(request, store):\n    return store.get(request.key_{i}) or {i}\n" for i in range(45)
     ]
     return "Repository file app/handlers.py:\n" + "".join(lines)
 
@@ -182,7 +182,7 @@ def _median_ttft(rows: list[Row], skip_first: bool = True) -> float | None:
     return statistics.median(vals) if vals else None
 
 
-def run_demo(stack: Any, *, pause_s: float = 28.0, turns: int = 6, console: Any = None) -> DemoResult:
+def run_demo(stack: Any, *, pause_s: float = 25.0, turns: int = 6, console: Any = None) -> DemoResult:
     """Run both arms against a running ``stack`` (router started and stopped here)."""
     from rich.console import Console
 
@@ -248,7 +248,7 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def demo(
-    pause: float = typer.Option(28.0, help="Seconds the slow tool runs (longer than the 20 s TTL)."),
+    pause: float = typer.Option(25.0, help="Seconds the slow tool runs (longer than the 20 s TTL)."),
     turns: int = typer.Option(6, help="Turns per conversation."),
     timeout: float = typer.Option(600.0, help="Bound on each server's start-up."),
 ) -> None:
