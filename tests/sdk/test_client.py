@@ -400,3 +400,50 @@ def test_bound_resources_keep_the_real_openai_surface(
         assert conv.turns[0].status is ReuseStatus.FIRST
     (req,) = _chat(fake_server)
     assert req.header(protocol.HEADER_CONVERSATION_ID) == "raw-1" and req.header("x-other") == "kept"
+
+
+# ------------------------------------------------------------- the user's own http client settings
+
+
+def test_the_users_event_hooks_and_auth_still_apply(fake_server: FakeOpenAIServer) -> None:
+    """A plain inner client is sent through directly (fast path); one with hooks or auth through its
+    own ``send``, so they run exactly as they would without kvlease."""
+    from kvlease._http import hx
+
+    seen: list[str] = []
+
+    class Tag(hx.Auth):
+        def auth_flow(self, request: Any) -> Any:
+            request.headers["x-user-auth"] = "yes"
+            yield request
+
+    http = openai.DefaultHttpxClient(
+        event_hooks={"request": [lambda r: seen.append(r.url.path)], "response": []}, auth=Tag()
+    )
+    kc = kvlease.wrap(
+        OpenAI(base_url=fake_server.base_url, api_key="sk-test", http_client=http), heartbeat=False
+    )
+    try:
+        with kc.conversation() as conv:
+            conv.chat.completions.create(model="m", messages=[USER])
+        kc.openai.chat.completions.create(model="m", messages=[USER])  # untracked: passes through
+    finally:
+        kc.close()
+    assert [p for p in seen if p == CHAT] == [CHAT, CHAT]  # (and the lease release, which uses it too)
+    assert [r.header("x-user-auth") for r in _chat(fake_server)] == ["yes", "yes"]
+
+
+async def test_the_users_event_hooks_apply_async(fake_server: FakeOpenAIServer) -> None:
+    seen: list[str] = []
+
+    async def hook(r: Any) -> None:
+        seen.append(r.url.path)
+
+    http = openai.DefaultAsyncHttpxClient(event_hooks={"request": [hook], "response": []})
+    kc = kvlease.wrap(AsyncOpenAI(base_url=fake_server.base_url, api_key="sk-test", http_client=http))
+    try:
+        async with kc.conversation() as conv:
+            await conv.chat.completions.create(model="m", messages=[USER])
+    finally:
+        await kc.aclose()
+    assert [p for p in seen if p == CHAT] == [CHAT]
