@@ -78,7 +78,7 @@ async def one(tokens: int, plugin: bool) -> float:
     return time.perf_counter() - t0
 
 
-async def main(tokens: int, requests: int) -> None:
+async def measure(tokens: int, requests: int) -> dict[str, Any]:
     for plugin in (False, True):  # warm up both paths
         await one(tokens, plugin)
     base: list[float] = []
@@ -87,18 +87,36 @@ async def main(tokens: int, requests: int) -> None:
         base.append(await one(tokens, False))
         wrapped.append(await one(tokens, True))
     b, w = statistics.median(base), statistics.median(wrapped)
-    print(f"streamed request of {tokens} chunks, median of {requests}")
-    print(f"  stock generator      {b * 1e6:9.1f} us  ({b / tokens * 1e6:.2f} us/chunk)")
-    print(f"  with kvlease plugin  {w * 1e6:9.1f} us  ({w / tokens * 1e6:.2f} us/chunk)")
-    print(f"  added                {(w - b) * 1e6:9.1f} us/request  ({(w - b) / tokens * 1e6:.2f} us/chunk)")
-
     final = stream_generator(engine(1))
     first = await final.__anext__()
     t0 = time.perf_counter()
     n = 2000
     for _ in range(n):
         inject_into_event(first, HANDLE)
-    print(f"  final-chunk injection {(time.perf_counter() - t0) / n * 1e6:8.1f} us (once per request)")
+    inject = (time.perf_counter() - t0) / n
+    return {
+        "chunks_per_request": tokens,
+        "requests": requests,
+        "stock_us_per_request": round(b * 1e6, 1),
+        "plugin_us_per_request": round(w * 1e6, 1),
+        "added_us_per_request": round((w - b) * 1e6, 1),
+        "added_us_per_chunk": round((w - b) / tokens * 1e6, 2),
+        "final_chunk_injection_us": round(inject * 1e6, 1),
+    }
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    return asyncio.run(measure(256, 50 if quick else 200))
+
+
+def print_table(res: dict[str, Any]) -> None:
+    print(f"streamed request of {res['chunks_per_request']} chunks, median of {res['requests']}")
+    print(f"  stock generator       {res['stock_us_per_request']:9.1f} us")
+    print(f"  with kvlease plugin   {res['plugin_us_per_request']:9.1f} us")
+    print(
+        f"  added                 {res['added_us_per_request']:9.1f} us/request ({res['added_us_per_chunk']} us/chunk)"
+    )
+    print(f"  final-chunk injection {res['final_chunk_injection_us']:9.1f} us (once per request)")
 
 
 if __name__ == "__main__":
@@ -106,4 +124,4 @@ if __name__ == "__main__":
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--requests", type=int, default=200)
     args = ap.parse_args()
-    asyncio.run(main(args.tokens, args.requests))
+    print_table(asyncio.run(measure(args.tokens, args.requests)))
