@@ -126,6 +126,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     sys.path.insert(0, str(ROOT))
     from kvlease_vllm.demo import router_process
     from kvlease_vllm.stack import Stack, StackSpec
+    from kvlease_vllm.stack._config import default_dtype
 
     plans = make_trace(8 if quick else 20)
     long_pauses = sum(1 for p in plans for x in p.pauses if x > D_TTL)
@@ -137,7 +138,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         "d_ttl_s": D_TTL,
         "arms": {},
     }
-    spec = StackSpec(model="small", ttl=D_TTL, prefix_caching=False)
+    spec = StackSpec(model="small", ttl=D_TTL, prefix_caching=False, dtype=default_dtype())
     with Stack.start(spec, timeout=600) as stack, router_process(stack) as router:
         for arm in ARMS:
             t0 = time.monotonic()

@@ -28,6 +28,7 @@ import httpx
 
 from kvlease.protocol import KV_TRANSFER_PARAMS, prefill_request_params
 from kvlease_vllm.stack import Stack, StackSpec
+from kvlease_vllm.stack._config import default_dtype
 
 TIMEOUT = httpx.Timeout(600.0, connect=10.0)
 GEN = 16
@@ -126,7 +127,13 @@ def run(quick: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {"sizes": sizes, "n": n, "model": "small", "results": {}}
     for prefix in prefix_modes:
         for connector in ("kvlease", "nixl"):
-            spec = StackSpec(model="small", connector=connector, ttl=600.0, prefix_caching=prefix)  # type: ignore[arg-type]
+            spec = StackSpec(
+                model="small",
+                connector=connector,  # type: ignore[arg-type]
+                ttl=600.0,
+                prefix_caching=prefix,
+                dtype=default_dtype(),
+            )
             key = f"{connector}/prefix_cache={'on' if prefix else 'off'}"
             out["results"][key] = measure(spec, sizes, n)
     return out

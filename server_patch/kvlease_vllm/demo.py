@@ -256,6 +256,7 @@ def demo(
     from rich.console import Console
 
     from kvlease_vllm.stack import Stack, StackSpec
+    from kvlease_vllm.stack._config import default_dtype
 
     con = Console()
     signal.signal(signal.SIGTERM, _interrupt)  # stop everything on SIGTERM as on Ctrl-C
@@ -264,7 +265,7 @@ def demo(
         "Starting a vLLM prefill server and a decode server (first run installs vLLM and builds a model)..."
     )
     t0 = time.monotonic()
-    with Stack.start(StackSpec(**DEMO_SPEC_KW), timeout=timeout) as stack:
+    with Stack.start(StackSpec(**DEMO_SPEC_KW, dtype=default_dtype()), timeout=timeout) as stack:
         con.print(f"stack up in {time.monotonic() - t0:.0f} s")
         result = run_demo(stack, pause_s=pause, turns=turns, console=con)
     con.print(f"done in {time.monotonic() - t0:.0f} s; everything started here is stopped.")

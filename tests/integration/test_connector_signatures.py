@@ -44,6 +44,7 @@ EXPECTED = {
     "KVLeaseScheduler.get_num_new_matched_tokens",
     "KVLeaseScheduler.request_finished",
     "KVLeaseScheduler.build_connector_meta",
+    "KVLeaseScheduler.update_state_after_alloc",
     "KVLeaseScheduler.update_connector_output",
     "KVLeaseScheduler.shutdown",
 }
