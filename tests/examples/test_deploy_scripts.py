@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -84,17 +83,8 @@ def test_node_scripts_refuse_to_start_without_the_secret(tmp_path: Path) -> None
     assert r.returncode != 0 and "KVLEASE_CONTROL_SECRET" in r.stderr
 
 
-@pytest.fixture
-def redis_url() -> Iterator[str]:
-    if not RedisServer.available():
-        pytest.skip("redis-server binary not installed (apt-get install redis-server)")
-    server = RedisServer.start()
-    yield server.url
-    server.stop()
-
-
 @pytest.mark.timeout(120)
-def test_router_script_starts_the_router_in_front_of_the_nodes(redis_url: str) -> None:
+def test_router_script_starts_the_router_in_front_of_the_nodes(redis_server: RedisServer) -> None:
     """router.sh with its real flags, against the fake P/D pair (its own process) and real Redis."""
     fake = subprocess.Popen(
         [sys.executable, "-m", "kvlease_vllm.testing.fake_vllm", "--secret", "s3cret"],
@@ -115,7 +105,7 @@ def test_router_script_starts_the_router_in_front_of_the_nodes(redis_url: str) -
             "DECODE_CONTROL_URLS": info["decode_control"][0],
             "KVLEASE_CONTROL_SECRET": "s3cret",
             "KVLEASE_KEY_SECRET": "k" * 32,
-            "REDIS_URL": redis_url,
+            "REDIS_URL": redis_server.url,
             "PORT": "0",
         }
         router = subprocess.Popen(

@@ -110,14 +110,10 @@ def agents(
 
 
 @pytest.fixture
-def redis() -> Iterator[RedisServer]:
+def redis(redis_server: RedisServer) -> RedisServer:
     """Tests list it before ``routers`` and ``agents``: torn down after them, so the agents' closing
     releases still reach a router whose store is up."""
-    if not RedisServer.available():
-        pytest.skip("redis-server binary not installed (apt-get install redis-server)")
-    server = RedisServer.start()
-    yield server
-    server.stop()
+    return redis_server
 
 
 def in_thread(fn: Callable[[], Record]) -> tuple[threading.Thread, dict[str, Any]]:

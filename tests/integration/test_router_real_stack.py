@@ -151,36 +151,31 @@ def test_renew_and_release_on_the_real_decode_node(
 
 
 @pytest.mark.redis
-def test_router_restart_with_redis_keeps_hits(stack: Any, start_router: Callable[..., RouterProcess]) -> None:
-    if not RedisServer.available():
-        pytest.skip("redis-server binary not installed (apt-get install redis-server)")
-    redis = RedisServer.start()
-    try:
-        h = {HEADER_CONVERSATION_ID: "itest-restart", "Authorization": "Bearer t"}
-        messages = [{"role": "user", "content": QUESTION}]
-        body = {"model": stack.model_name, "messages": messages, "max_tokens": 16, "temperature": 0.0}
-        first = start_router("--state", redis.url)
-        with httpx.Client(timeout=600) as c:
-            r1 = c.post(first.url + "/v1/chat/completions", json=body, headers=h)
-            assert r1.headers[HEADER_STATUS] == "first"
-            first.stop()
-            second = start_router("--state", redis.url)
-            messages += [
-                {"role": "assistant", "content": r1.json()["choices"][0]["message"]["content"]},
-                {"role": "user", "content": "Continue."},
-            ]
-            r2 = c.post(second.url + "/v1/chat/completions", json={**body, "messages": messages}, headers=h)
-            # the restarted router still knew the conversation: it offered D's handle, P judged it
-            assert r2.status_code == 200 and r2.headers[HEADER_STATUS] in ("hit", "mismatch", "miss"), (
-                r2.headers
-            )
-            assert r2.headers[HEADER_STATUS] != "first"
-            messages += [
-                {"role": "assistant", "content": r2.json()["choices"][0]["message"]["content"]},
-                {"role": "user", "content": "Continue again."},
-            ]
-            r3 = c.post(second.url + "/v1/chat/completions", json={**body, "messages": messages}, headers=h)
-            assert r3.status_code == 200 and r3.headers[HEADER_STATUS] != "first"
-            assert "hit" in (r2.headers[HEADER_STATUS], r3.headers[HEADER_STATUS])
-    finally:
-        redis.stop()
+def test_router_restart_with_redis_keeps_hits(
+    stack: Any, start_router: Callable[..., RouterProcess], redis_server: RedisServer
+) -> None:
+    redis = redis_server
+    h = {HEADER_CONVERSATION_ID: "itest-restart", "Authorization": "Bearer t"}
+    messages = [{"role": "user", "content": QUESTION}]
+    body = {"model": stack.model_name, "messages": messages, "max_tokens": 16, "temperature": 0.0}
+    first = start_router("--state", redis.url)
+    with httpx.Client(timeout=600) as c:
+        r1 = c.post(first.url + "/v1/chat/completions", json=body, headers=h)
+        assert r1.headers[HEADER_STATUS] == "first"
+        first.stop()
+        second = start_router("--state", redis.url)
+        messages += [
+            {"role": "assistant", "content": r1.json()["choices"][0]["message"]["content"]},
+            {"role": "user", "content": "Continue."},
+        ]
+        r2 = c.post(second.url + "/v1/chat/completions", json={**body, "messages": messages}, headers=h)
+        # the restarted router still knew the conversation: it offered D's handle, P judged it
+        assert r2.status_code == 200 and r2.headers[HEADER_STATUS] in ("hit", "mismatch", "miss"), r2.headers
+        assert r2.headers[HEADER_STATUS] != "first"
+        messages += [
+            {"role": "assistant", "content": r2.json()["choices"][0]["message"]["content"]},
+            {"role": "user", "content": "Continue again."},
+        ]
+        r3 = c.post(second.url + "/v1/chat/completions", json={**body, "messages": messages}, headers=h)
+        assert r3.status_code == 200 and r3.headers[HEADER_STATUS] != "first"
+        assert "hit" in (r2.headers[HEADER_STATUS], r3.headers[HEADER_STATUS])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +19,7 @@ from kvlease_vllm.router import (
     create_app,
 )
 from kvlease_vllm.router._core import Router
-from kvlease_vllm.testing import FakeConfig, FakePair, RedisServer
+from kvlease_vllm.testing import FakeConfig, FakePair
 
 SECRET = "fake-secret"
 
@@ -133,15 +133,3 @@ async def make_cluster() -> AsyncIterator[ClusterFactory]:
 @pytest.fixture
 async def cluster(make_cluster: ClusterFactory) -> Cluster:
     return await make_cluster()
-
-
-# ---- a real redis-server per test ------------------------------------------------------------------
-
-
-@pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    if not RedisServer.available():
-        pytest.skip("redis-server binary not installed (apt-get install redis-server)")
-    server = RedisServer.start()
-    yield server
-    server.stop()
