@@ -132,23 +132,6 @@ def _ignore(chunk: bytes, now: float) -> None:
     return None
 
 
-def _plain_route(inner: Any) -> Any:
-    """``inner._transport_for_url`` when sending through ``inner`` would add nothing: no auth, no
-    event hooks. The wrapping client already merged headers, cookies and timeouts into the request,
-    and ``Client.send`` would only run auth, hooks, redirects and cookie bookkeeping a second time
-    (about half of kvlease's per-call cost). Anything else, or an httpx without the method: ``None``.
-    """
-    try:
-        if inner._auth is not None:
-            return None
-        hooks = inner.event_hooks
-        if hooks["request"] or hooks["response"]:
-            return None
-        return inner._transport_for_url
-    except (AttributeError, KeyError, TypeError):  # pragma: no cover - another httpx layout
-        return None
-
-
 class KVTransport(hx.BaseTransport):
     """Sends through the user's HTTP client (``inner``), adding kvlease behaviour to tracked requests.
 
@@ -161,14 +144,7 @@ class KVTransport(hx.BaseTransport):
 
     def handle_request(self, request: hx.Request) -> hx.Response:
         request, pending = _begin(self.tracker, request)
-        route = _plain_route(self.inner)
-        if route is None:
-            response = self.inner.send(request, stream=True)
-        else:
-            response = route(request.url).handle_request(request)
-            if response.has_redirect_location:  # the user's client applies its redirect policy
-                response.close()
-                response = self.inner.send(request, stream=True)
+        response = self.inner.send(request, stream=True)
         if pending is None:
             return _rewrap(response, response.stream)
         self.tracker.response(pending, response.status_code, response.headers, _perf())
@@ -184,14 +160,7 @@ class AsyncKVTransport(hx.AsyncBaseTransport):
 
     async def handle_async_request(self, request: hx.Request) -> hx.Response:
         request, pending = _begin(self.tracker, request)
-        route = _plain_route(self.inner)
-        if route is None:
-            response = await self.inner.send(request, stream=True)
-        else:
-            response = await route(request.url).handle_async_request(request)
-            if response.has_redirect_location:  # the user's client applies its redirect policy
-                await response.aclose()
-                response = await self.inner.send(request, stream=True)
+        response = await self.inner.send(request, stream=True)
         if pending is None:
             return _rewrap(response, response.stream)
         self.tracker.response(pending, response.status_code, response.headers, _perf())

@@ -406,8 +406,8 @@ def test_bound_resources_keep_the_real_openai_surface(
 
 
 def test_the_users_event_hooks_and_auth_still_apply(fake_server: FakeOpenAIServer) -> None:
-    """A plain inner client is sent through directly (fast path); one with hooks or auth through its
-    own ``send``, so they run exactly as they would without kvlease."""
+    """Tracked and untracked requests go through the user's client's own ``send``: its hooks and auth
+    run exactly as they would without kvlease."""
     from kvlease._http import hx
 
     seen: list[str] = []
