@@ -93,8 +93,12 @@ async def handle_turn(request: web.Request, router: Router, chat: bool) -> web.S
     if isinstance(xargs, dict):
         xargs.pop(KV_TRANSFER_PARAMS, None)
 
-    tenant = tenant_from(request.headers, router.settings.tenant_header)
-    if router.settings.tenant_cache_salt:
+    # the tenant (a hash of the bearer token) only when something needs it
+    salted = router.settings.tenant_cache_salt
+    tenant = (
+        tenant_from(request.headers, router.settings.tenant_header) if salted or ident is not None else ""
+    )
+    if salted:
         client_salt = body.get(CACHE_SALT)
         if client_salt is not None and not isinstance(client_salt, str):
             return _bad("'cache_salt' must be a string", router)
