@@ -255,8 +255,7 @@ def demo(
     """Bring up vLLM P/D + router locally and run a multi-turn agent with kvlease on and off."""
     from rich.console import Console
 
-    from kvlease_vllm.stack import Stack, StackSpec
-    from kvlease_vllm.stack._config import default_dtype
+    from kvlease_vllm.stack import Stack, StackSpec, default_dtype
 
     con = Console()
     signal.signal(signal.SIGTERM, _interrupt)  # stop everything on SIGTERM as on Ctrl-C

@@ -427,7 +427,7 @@ def test_decode_args_reach_only_the_decode_server() -> None:
 
 
 def test_default_dtype_follows_the_cpus_native_bf16() -> None:
-    from kvlease_vllm.stack._config import default_dtype
+    from kvlease_vllm.stack import default_dtype
 
     assert default_dtype("processor: 0\nflags\t\t: fpu avx fma f16c\n") == "float32"
     assert default_dtype("flags : fpu avx2 avx512f avx512_bf16\n") == "bfloat16"

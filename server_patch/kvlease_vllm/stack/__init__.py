@@ -9,7 +9,7 @@ This package never imports vLLM or torch: it drives a separate vLLM venv through
 
 from __future__ import annotations
 
-from kvlease_vllm.stack._config import Metrics, StackSpec, parse_prometheus
+from kvlease_vllm.stack._config import Metrics, StackSpec, default_dtype, parse_prometheus
 from kvlease_vllm.stack._model import MODEL_SPECS, ensure_model
 from kvlease_vllm.stack._paths import kvlease_home, venv_python
 from kvlease_vllm.stack._servers import ServerHandle, Stack, StackError
@@ -23,6 +23,7 @@ __all__ = [
     "Stack",
     "StackError",
     "StackSpec",
+    "default_dtype",
     "ensure_model",
     "ensure_venv",
     "kvlease_home",
