@@ -173,10 +173,11 @@ class _TurnFailed(Exception):
 class _Conv:
     """One conversation of one path: its id, history and (``direct_pd``) D's last handle."""
 
-    __slots__ = ("cid", "handle", "leaks", "messages", "n")
+    __slots__ = ("base", "cid", "handle", "leaks", "messages", "n", "resets")
 
     def __init__(self, cid: str) -> None:
-        self.cid = cid
+        self.base = self.cid = cid
+        self.resets = 0
         self.messages: list[dict[str, str]] = [
             {"role": "user", "content": f"conversation {cid}: " + "tell me something " * 20}
         ]
@@ -193,7 +194,8 @@ class _Conv:
         ]
         if len(self.messages) > MAX_MESSAGES:  # keep prompts bounded; a new conversation starts afresh
             self.messages = self.messages[:1]
-            self.cid += "x"
+            self.resets += 1
+            self.cid = f"{self.base}.{self.resets}"
             self.handle = None
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
@@ -24,11 +25,29 @@ from kvlease_vllm.router._store import ConversationState, StateStore, StoreError
 from kvlease_vllm.router._upstreams import Upstreams
 from kvlease_vllm.router._validate import ClusterPlan
 
-__all__ = ["Router", "error_response", "log"]
+__all__ = ["RequestIds", "Router", "error_response", "log"]
 
 log = logging.getLogger("kvlease.router")
 
 JSON_CT = "application/json"
+
+
+class RequestIds:
+    """``X-Request-Id`` values for upstream calls: 128 random bits each (as ``uuid4`` has), taken
+    from one ``os.urandom`` call per 256 ids rather than a system call and a UUID object per id."""
+
+    __slots__ = ("_at", "_buf")
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self._at = 0
+
+    def __call__(self) -> str:
+        at = self._at
+        if at >= len(self._buf):
+            self._buf, at = os.urandom(4096), 0
+        self._at = at + 16
+        return self._buf[at : at + 16].hex()
 
 
 def error_response(status: int, message: str, code: str = "invalid_request_error") -> web.Response:
@@ -51,6 +70,21 @@ class Router:
         self.keyer = Keyer(self.settings.key_secret)
         self.monitor = MissRateMonitor(self.settings.miss_window_s, self.settings.miss_window_min_turns)
         self._background: set[asyncio.Task[Any]] = set()
+        self.request_id = RequestIds()
+        s = self.settings
+        # built once: an upstream call's timeouts are the same for every turn
+        # (prefill: sock_connect bounds opening a connection; waiting for a free pooled one
+        # counts against total)
+        self.prefill_timeout = aiohttp.ClientTimeout(total=s.prefill_timeout, sock_connect=s.connect_timeout)
+        self.decode_timeout = aiohttp.ClientTimeout(
+            total=None,
+            connect=s.decode_read_timeout,  # a free pooled connection, or a new one...
+            sock_connect=s.connect_timeout,  # ...opened within this
+            sock_read=s.decode_read_timeout,
+        )
+        #: The store answers without I/O (in-process): a stream's last events can wait for the
+        #: capture and leave with ``[DONE]`` in one write.
+        self.store_is_local = bool(getattr(self.store, "local", False))
 
     # ---- derived configuration ---------------------------------------------------------------
     @property

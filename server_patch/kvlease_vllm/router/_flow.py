@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -146,8 +145,8 @@ async def handle_turn(request: web.Request, router: Router, chat: bool) -> web.S
         router.metrics.in_flight.dec()
 
 
-def _headers(request: web.Request) -> dict[str, str]:
-    out = {"Content-Type": JSON_CT, "X-Request-Id": uuid.uuid4().hex}
+def _headers(router: Router, request: web.Request) -> dict[str, str]:
+    out = {"Content-Type": JSON_CT, "X-Request-Id": router.request_id()}
     for name in _FORWARD_HEADERS:
         v = request.headers.get(name)
         if v is not None:
@@ -190,11 +189,8 @@ async def _send(
 async def _post_json(
     router: Router, node: Node, path: str, data: bytes, headers: dict[str, str]
 ) -> dict[str, Any]:
-    s = router.settings
-    # sock_connect bounds opening a connection; waiting for a free pooled one counts against total
-    timeout = aiohttp.ClientTimeout(total=s.prefill_timeout, sock_connect=s.connect_timeout)
     try:
-        async with await _send(router, node.url + path, data, headers, timeout) as resp:
+        async with await _send(router, node.url + path, data, headers, router.prefill_timeout) as resp:
             raw = await resp.read()
             if resp.status >= 400:
                 raise _Upstream4xx(resp.status, raw, resp.content_type)
@@ -218,7 +214,7 @@ async def _prefill(
     """P's answer; retries once without the handle if P fails with it, once on another P if down."""
     pool = router.upstreams.prefill
     path = request.path
-    headers = _headers(request)
+    headers = _headers(router, request)
     tried: list[Node] = []
     attempts = 0
     while True:
@@ -250,6 +246,16 @@ def _describe(e: Exception) -> str:
 
 def _kvlease_headers(router: Router, turn: _Turn) -> dict[str, str]:
     return {
+        HEADER_STATUS: turn.status.value,
+        HEADER_REUSED_TOKENS: str(turn.reused),
+        HEADER_TTL: f"{router.ttl:g}",
+    }
+
+
+def _stream_headers(router: Router, turn: _Turn) -> dict[str, str]:
+    return {
+        "Content-Type": "text/event-stream",
+        "Cache-Control": "no-cache",
         HEADER_STATUS: turn.status.value,
         HEADER_REUSED_TOKENS: str(turn.reused),
         HEADER_TTL: f"{router.ttl:g}",
@@ -308,14 +314,8 @@ async def _decode(
     request: web.Request, router: Router, turn: _Turn, d_body: bytes, stream: bool
 ) -> web.StreamResponse:
     pool = router.upstreams.decode
-    s = router.settings
-    timeout = aiohttp.ClientTimeout(
-        total=None,
-        connect=s.decode_read_timeout,  # a free pooled connection, or a new one...
-        sock_connect=s.connect_timeout,  # ...opened within this
-        sock_read=s.decode_read_timeout,
-    )
-    headers = _headers(request)
+    timeout = router.decode_timeout
+    headers = _headers(router, request)
     prefer = turn.state.decode if turn.state else None
     tried: list[Node] = []
     while True:
@@ -435,44 +435,81 @@ async def _relay_json(
 
 
 def _rewrite_events(block: bytes) -> tuple[bytes, Any]:
-    """Strip ``kv_transfer_params`` from complete SSE events; return (bytes, captured params)."""
+    """Strip ``kv_transfer_params`` from complete SSE events; return (bytes, captured params).
+
+    Only the lines that carry it are parsed and re-serialised; the rest is copied as is. The result
+    is exactly ``b"\\n".join`` of the lines with those rewritten, or dropped when they are not a
+    parsable ``data:`` payload (dropped rather than leaked)."""
     found: Any = None
-    out = []
-    for line in block.split(b"\n"):
-        if NEEDLE in line:
-            if not line.startswith(b"data:"):
-                continue  # not an event payload: drop the line rather than leak it
+    out: list[bytes] = []
+    start = 0  # where the part of ``block`` not yet copied to ``out`` begins
+    at = block.find(NEEDLE)
+    while at >= 0:
+        nl = block.rfind(b"\n", start, at)
+        line_start = start if nl < 0 else nl + 1
+        line_end = block.find(b"\n", at)
+        last = line_end < 0
+        if last:
+            line_end = len(block)
+        out.append(block[start:line_start])
+        line = block[line_start:line_end]
+        start = line_end + 1  # the line's own newline is re-added below if it is kept
+        rewritten = None
+        if line.startswith(b"data:"):
             try:
                 obj = orjson.loads(line[5:])
             except orjson.JSONDecodeError:
-                continue
-            got = strip_params(obj)
-            if got is not None:
-                found = got
-            line = b"data: " + orjson.dumps(obj)
-        out.append(line)
-    return b"\n".join(out), found
+                pass
+            else:
+                got = strip_params(obj)
+                if got is not None:
+                    found = got
+                rewritten = b"data: " + orjson.dumps(obj)
+        if rewritten is not None:
+            out.append(rewritten if last else rewritten + b"\n")
+        elif last:  # a dropped last line takes the newline before it with it
+            while out and not out[-1]:
+                out.pop()
+            if out and out[-1].endswith(b"\n"):
+                out[-1] = out[-1][:-1]
+        if last:
+            break
+        at = block.find(NEEDLE, start)
+    out.append(block[start:])
+    return b"".join(out), found
+
+
+class _EventStream(web.StreamResponse):
+    """A streamed response whose status line and headers go out with its first body bytes (one
+    write, one wake-up of the client) instead of on ``prepare`` (aiohttp's ``web.Response`` does
+    the same)."""
+
+    _send_headers_immediately = False
 
 
 async def _relay_stream(
     request: web.Request, router: Router, turn: _Turn, node: Node, upstream: aiohttp.ClientResponse, t0: float
 ) -> web.StreamResponse:
-    resp = web.StreamResponse(status=200)
-    resp.content_type = "text/event-stream"
-    resp.headers["Cache-Control"] = "no-cache"
-    resp.headers.update(_kvlease_headers(router, turn))
+    resp = _EventStream(status=200, headers=_stream_headers(router, turn))
     await resp.prepare(request)
     params: Any = None
     pending = b""
+    #: The events that came with ``[DONE]``: with a local store they leave with it, in the final
+    #: write after the capture (they arrived together, so nothing is delayed but by the store put).
+    held = b""
+    hold = router.store_is_local
     done_seen = False
     try:
         async for chunk in upstream.content.iter_any():
             data = pending + chunk if pending else chunk
-            cut = data.rfind(b"\n\n")
-            if cut < 0:
+            cut = data.rfind(b"\n\n") + 2
+            if cut < 2:
                 pending = data
                 continue
-            complete, pending = data[: cut + 2], data[cut + 2 :]
+            if cut == len(data):
+                complete, pending = data, b""
+            else:
+                complete, pending = data[:cut], data[cut:]
             if NEEDLE in complete:
                 complete, got = _rewrite_events(complete)
                 if got is not None:
@@ -480,13 +517,21 @@ async def _relay_stream(
             if complete.endswith(_DONE):
                 complete = complete[: -len(_DONE)]
                 done_seen = True
+                if hold:
+                    held += complete
+                    continue
+            if held:
+                complete, held = held + complete, b""
             if complete:
                 await resp.write(complete)
         if pending:
             if NEEDLE in pending:
                 pending, got = _rewrite_events(pending)
                 params = got if got is not None else params
-            await resp.write(pending)
+            held += pending
+        if held and not hold:
+            await resp.write(held)
+            held = b""
     except ConnectionResetError:
         upstream.close()  # client went away: drop the upstream connection, do not pool it
         await _forget_handle(router, turn, node)  # the old handle was spent; D aborted the new one
@@ -503,16 +548,16 @@ async def _relay_stream(
         await _forget_handle(router, turn, node)
         _finish(router, turn, node, t0)
         try:
-            await resp.write_eof()
+            await resp.write_eof(held)
         except ConnectionResetError:
             pass
         return resp
+    # the state is stored before the client sees [DONE], so its next turn finds the new handle
     await _store_capture(router, turn, node, params, None, streamed=True)
-    _finish(router, turn, node, t0)
     try:
-        if done_seen:
-            await resp.write(_DONE)
-        await resp.write_eof()
+        await resp.write_eof(held + _DONE if done_seen else held)  # one write: events, [DONE], end
     except ConnectionResetError:
         pass
+    finally:
+        _finish(router, turn, node, t0)
     return resp

@@ -83,14 +83,14 @@ class Keyer:
 
     def key(self, tenant: str, conversation_id: str) -> str:
         msg = tenant.encode("utf-8", "surrogatepass") + b"\x00" + conversation_id.encode("ascii")
-        return hmac.new(self._secret, msg, hashlib.sha256).hexdigest()
+        return hmac.digest(self._secret, msg, "sha256").hex()
 
     def cache_salt(self, tenant: str, client_salt: str = "") -> str:
         """vLLM ``cache_salt`` of a tenant (and the client's own salt): prefix-cache entries and
         verified-pull hashes of one tenant never match another's, and the value reveals neither."""
         msg = b"cache_salt\x00" + tenant.encode("utf-8", "surrogatepass") + b"\x00"
         msg += client_salt.encode("utf-8", "surrogatepass")
-        return hmac.new(self._secret, msg, hashlib.sha256).hexdigest()[:32]
+        return hmac.digest(self._secret, msg, "sha256").hex()[:32]
 
 
 def log_ref(key: str) -> str:

@@ -99,6 +99,7 @@ class MemoryStore:
     """
 
     name = "memory"
+    local = True  # answers without I/O (see ``Router.store_is_local``)
 
     def __init__(self, max_entries: int = 100_000, clock: Callable[[], float] = time.monotonic) -> None:
         if max_entries < 1:
