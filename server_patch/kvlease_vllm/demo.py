@@ -4,7 +4,9 @@ It brings up the real local stack (a vLLM CPU prefill server and a decode server
 ``KVLeaseConnector`` and real NIXL transfers) and the kvlease router, then runs a scripted coding
 agent through the wrapped OpenAI client:
 
-- tool results are appended after each answer, and the history is resent every turn;
+- the model calls tools (OpenAI ``tools`` / ``tool_calls``, parsed by vLLM's Hermes tool parser);
+  the agent runs each call and appends its result as a ``tool`` message, and the history is resent
+  every turn;
 - one tool takes longer than the decode node's retention TTL: the SDK's heartbeats keep the lease;
 - one answer carries ``<think>`` reasoning that the agent strips from its history before the next
   turn (as many frameworks do): the SDK detects it and asks for a full recompute;
@@ -28,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -45,6 +48,58 @@ DEMO_SPEC_KW: dict[str, Any] = {"model": "small", "ttl": 20.0, "prefix_caching":
 THINK_RE = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
 #: Forces an answer shaped like a reasoning model's (the demo model has random weights).
 REASONING_REGEX = r"<think>[a-z ]{20,60}</think>[a-z ,.]{10,60}"
+
+#: The agent's tools (OpenAI function tools).
+TOOLS: list[dict[str, Any]] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "description": "Read a file of the repository.",
+            "parameters": {
+                "type": "object",
+                "properties": {"path": {"type": "string"}},
+                "required": ["path"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "run_tests",
+            "description": "Run one test file and return pytest's report.",
+            "parameters": {
+                "type": "object",
+                "properties": {"path": {"type": "string"}},
+                "required": ["path"],
+            },
+        },
+    },
+]
+
+
+def tool_call_regex(name: str) -> str:
+    """A Hermes-style call of tool ``name`` on one of the test files, as a regex: the demo model has
+    random weights, so structured outputs shape its answer into a well-formed call, which vLLM's
+    tool parser returns as ``tool_calls`` (the model still picks the file)."""
+    return (
+        r'<tool_call>\n\{"name": "'
+        + name
+        + r'", "arguments": \{"path": "tests/test_[1-3]\.py"\}\}\n</tool_call>'
+    )
+
+
+def run_tool(name: str, arguments: str) -> str:
+    """The agent's side of a call: deterministic results, so both arms see the same history."""
+    path = json.loads(arguments or "{}").get("path", "?")
+    n = sum(map(ord, path)) % 7
+    if name == "read_file":
+        return f"{path}:\n" + "".join(
+            f"def test_case_{n}_{j}():\n    assert handler_{j}(req, store) == {j}\n" for j in range(8)
+        )
+    return f"$ pytest {path}\n" + "".join(
+        f"{path}::test_case_{n}_{j} {'FAILED' if j % 3 == n % 3 else 'PASSED'}\n" for j in range(8)
+    )
 
 
 @dataclass
@@ -68,15 +123,9 @@ class DemoResult:
 def _context() -> str:
     """A deterministic 'repository' the agent was given (~1.1k tokens): what each turn resends."""
     lines = [
-        f"def handler_{i}(request, store):\n    return store.get(request.key_{i}) or {i}\n" for i in range(45)
+        f"def handler_{i}(request, store):\n    return store.get(request.key_{i}) or {i}\n" for i in range(30)
     ]
     return "Repository file app/handlers.py:\n" + "".join(lines)
-
-
-def _tool_result(step: int) -> str:
-    return f"read_file(tests/test_{step}.py) ->\n" + "".join(
-        f"def test_case_{step}_{j}():\n    assert handler_{j}(req, store) == {j}\n" for j in range(8)
-    )
 
 
 @contextmanager
@@ -112,6 +161,72 @@ def router_process(
                 proc.wait(timeout=15)
 
 
+#: What the agent asks of the model at each turn: a call of one of its tools, an answer with
+#: reasoning that the agent strips from the history it resends, or a plain answer.
+PLAN: tuple[str, ...] = ("read_file", "run_tests", "think", "read_file", "run_tests", "answer")
+#: The tool called at this turn runs longer than the decode node's TTL.
+SLOW_TOOL_TURN = 2
+
+
+def _collect(stream: Any) -> tuple[str, list[dict[str, Any]]]:
+    """Content and tool calls of a streamed answer (tool call deltas merged by index)."""
+    parts: list[str] = []
+    calls: dict[int, dict[str, Any]] = {}
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        if delta.content:
+            parts.append(delta.content)
+        for tc in delta.tool_calls or ():
+            call = calls.setdefault(
+                tc.index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}}
+            )
+            call["id"] = tc.id or call["id"]
+            if tc.function is not None:
+                call["function"]["name"] += tc.function.name or ""
+                call["function"]["arguments"] += tc.function.arguments or ""
+    return "".join(parts), [calls[i] for i in sorted(calls)]
+
+
+def _call_text(call: dict[str, Any]) -> str:
+    """``read_file tests/test_2.py``: a tool call, short enough for the turn's row."""
+    try:
+        path = json.loads(call["function"]["arguments"]).get("path", "")
+    except ValueError:
+        path = call["function"]["arguments"]
+    return f"{call['function']['name']} {path}"
+
+
+def _create(
+    conv: Any,
+    model: str,
+    messages: list[dict[str, Any]],
+    action: str,
+    extra: dict[str, Any],
+    headers: dict[str, str],
+) -> Any:
+    """One streamed turn through the wrapped client."""
+    calls_tool = action in ("read_file", "run_tests")
+    if calls_tool:
+        extra = {**extra, "structured_outputs": {"regex": tool_call_regex(action)}}
+    elif action == "think":
+        extra = {**extra, "structured_outputs": {"regex": REASONING_REGEX}}
+    return conv.chat.completions.create(
+        model=model,
+        messages=messages,
+        # The tools are sent every turn: the template lists them in the system turn.
+        tools=TOOLS,
+        tool_choice="auto" if calls_tool else "none",
+        max_tokens=120 if calls_tool else 40,
+        temperature=0.0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=extra,
+        extra_headers=headers,
+    )
+
+
 def _agent(
     base_url: str,
     model: str,
@@ -134,44 +249,46 @@ def _agent(
     ]
     rows: list[Row] = []
     answers: list[str] = []
-    slow_step, think_step = 2, 3  # tool after answer 2 is slow; answer 3 carries reasoning
     try:
         with kc.conversation() as conv:
-            for step in range(1, turns + 1):
+            for step, action in enumerate(PLAN[:turns], start=1):
                 extra: dict[str, Any] = {CACHE_SALT: salt}
-                if step == think_step:
-                    extra["structured_outputs"] = {"regex": REASONING_REGEX}
                 headers = {} if reuse else {HEADER_REUSE: REUSE_OFF}
-                stream = conv.chat.completions.create(
-                    model=model,
-                    messages=messages,
-                    max_tokens=40,
-                    temperature=0.0,
-                    stream=True,
-                    stream_options={"include_usage": True},
-                    extra_body=extra,
-                    extra_headers=headers,
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always", kvlease.KVLeaseWarning)
+                    answer, calls = _collect(_create(conv, model, messages, action, extra, headers))
+                for w in caught:  # the SDK's warning, shown as a note under the turn's row
+                    say(f"  SDK warning: {str(w.message).split('. ')[0]}.", reuse)
+                answers.append(
+                    json.dumps([answer, [(c["function"]["name"], c["function"]["arguments"]) for c in calls]])
                 )
-                answer = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-                answers.append(answer)
                 t = conv.turns[-1]
-                note = ""
+                note = ", ".join(_call_text(c) for c in calls)
                 if t.reuse_forced_off and reuse:
-                    note = f"SDK: history {t.history.value} -> full recompute"
+                    note = f"SDK: {t.history.value} -> recompute; {note}".rstrip("; ")
                 rows.append(
                     Row(step, t.prompt_tokens, t.status and t.status.value, t.reused_tokens, t.ttft_s, note)
                 )
                 say(rows[-1], reuse)
-                messages.append({"role": "assistant", "content": answer})
-                if step == slow_step and pause_s > 0:
-                    say(
-                        f"  tool runs for {pause_s:.0f} s (longer than the decode TTL); heartbeats renew...",
-                        reuse,
+                if calls:
+                    messages.append({"role": "assistant", "content": answer or None, "tool_calls": calls})
+                    if step == SLOW_TOOL_TURN and pause_s > 0:
+                        say(
+                            f"  the tool runs for {pause_s:.0f} s (longer than the decode TTL);"
+                            " heartbeats renew the lease...",
+                            reuse,
+                        )
+                        time.sleep(pause_s)
+                    for c in calls:
+                        result = run_tool(c["function"]["name"], c["function"]["arguments"])
+                        messages.append({"role": "tool", "tool_call_id": c["id"], "content": result})
+                elif action == "think":  # the framework drops reasoning from the history it resends
+                    messages.append({"role": "assistant", "content": THINK_RE.sub("", answer)})
+                    messages.append(
+                        {"role": "user", "content": "Apply the fix, then read and run the tests again."}
                     )
-                    time.sleep(pause_s)
-                if step == think_step:  # the framework drops reasoning from the history it resends
-                    messages[-1] = {"role": "assistant", "content": THINK_RE.sub("", answer)}
-                messages.append({"role": "user", "content": _tool_result(step)})
+                else:
+                    messages.append({"role": "assistant", "content": answer})
     finally:
         kc.close()
     return rows, answers
@@ -182,7 +299,7 @@ def _median_ttft(rows: list[Row], skip_first: bool = True) -> float | None:
     return statistics.median(vals) if vals else None
 
 
-def run_demo(stack: Any, *, pause_s: float = 25.0, turns: int = 6, console: Any = None) -> DemoResult:
+def run_demo(stack: Any, *, pause_s: float = 25.0, turns: int = len(PLAN), console: Any = None) -> DemoResult:
     """Run both arms against a running ``stack`` (router started and stopped here)."""
     from rich.console import Console
 
@@ -249,7 +366,7 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def demo(
     pause: float = typer.Option(25.0, help="Seconds the slow tool runs (longer than the 20 s TTL)."),
-    turns: int = typer.Option(6, help="Turns per conversation."),
+    turns: int = typer.Option(len(PLAN), help=f"Turns per conversation (at most {len(PLAN)})."),
     timeout: float = typer.Option(600.0, help="Bound on each server's start-up."),
 ) -> None:
     """Bring up vLLM P/D + router locally and run a multi-turn agent with kvlease on and off."""
@@ -257,6 +374,8 @@ def demo(
 
     from kvlease_vllm.stack import Stack, StackSpec, default_dtype
 
+    if not 2 <= turns <= len(PLAN):
+        raise typer.BadParameter(f"must be between 2 and {len(PLAN)}", param_hint="--turns")
     con = Console()
     signal.signal(signal.SIGTERM, _interrupt)  # stop everything on SIGTERM as on Ctrl-C
     con.rule("kvlease demo")

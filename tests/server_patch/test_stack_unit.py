@@ -11,6 +11,8 @@ import pytest
 from kvlease.protocol import CONTROL_SECRET_ENV
 from kvlease_vllm.stack import Metrics, StackSpec, parse_prometheus
 from kvlease_vllm.stack._config import (
+    CHAT_TEMPLATE,
+    TOOL_CALL_PARSER,
     busy_threads,
     kv_transfer_config,
     parse_task_stat,
@@ -148,6 +150,10 @@ def test_server_command(prefix_caching: bool, role: str, has_flag: bool) -> None
     assert opts["--max-model-len"] == "2048"
     assert opts["--dtype"] == spec.dtype in ("float32", "bfloat16")
     assert json.loads(cmd[cmd.index("--kv-transfer-config") + 1]) == {"a": 1}
+    # Both servers render tools and parse tool calls the same way (the router sends P and D the same body).
+    assert cmd[cmd.index("--chat-template") + 1] == CHAT_TEMPLATE
+    assert "--enable-auto-tool-choice" in cmd
+    assert cmd[cmd.index("--tool-call-parser") + 1] == TOOL_CALL_PARSER == "hermes"
     assert "--enforce-eager" in cmd
     assert ("--no-enable-prefix-caching" in cmd) is has_flag
 
@@ -435,3 +441,63 @@ def test_default_dtype_follows_the_cpus_native_bf16() -> None:
     assert StackSpec(dtype="bfloat16") != StackSpec(dtype="float32")
     with pytest.raises(ValueError, match="dtype"):
         StackSpec(dtype="float16")
+
+
+# -- chat template -----------------------------------------------------------------------------------
+
+
+def _render(template: str, messages: list[dict[str, object]], **kw: object) -> str:
+    """Render like transformers' ``apply_chat_template`` (sandboxed, trimmed blocks, a ``tojson``
+    without HTML escaping); the real servers' rendering is checked by ``tests/integration/test_demo.py``."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = lambda x, **_: json.dumps(x, ensure_ascii=False)
+    return env.from_string(template).render(messages=messages, **kw)
+
+
+PLAIN = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "hi"},
+    {"role": "assistant", "content": "hello"},
+    {"role": "user", "content": "bye"},
+]
+
+
+@pytest.mark.parametrize("gen", [True, False])
+def test_stack_template_renders_plain_chats_as_the_models_own(gen: bool) -> None:
+    """The servers' template only adds tools: a plain chat renders token for token as with the
+    template stored in the models (which they were trained on), tools or not given."""
+    from kvlease_vllm.stack._build_model import CHAT_TEMPLATE as MODEL_TEMPLATE
+
+    want = _render(MODEL_TEMPLATE, PLAIN, add_generation_prompt=gen)
+    assert _render(CHAT_TEMPLATE, PLAIN, add_generation_prompt=gen) == want
+    assert _render(CHAT_TEMPLATE, PLAIN, add_generation_prompt=gen, tools=[]) == want
+    assert want.startswith("<|im_start|>system\nYou are terse.<|im_end|>\n")
+
+
+def test_stack_template_renders_tools_calls_and_results() -> None:
+    tool = {"type": "function", "function": {"name": "read_file", "parameters": {"type": "object"}}}
+    call = {"id": "c1", "type": "function", "function": {"name": "read_file", "arguments": {"path": "a.py"}}}
+    msgs = [
+        *PLAIN[:2],
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "print(1)"},
+    ]
+    text = _render(CHAT_TEMPLATE, msgs, tools=[tool], add_generation_prompt=True)
+    assert text == (
+        "<|im_start|>system\nYou are terse.\n\n# Tools\n<tools>\n"
+        + json.dumps(tool)
+        + '\n</tools>\nCall a tool as <tool_call>{"name": ..., "arguments": ...}</tool_call>.<|im_end|>\n'
+        "<|im_start|>user\nhi<|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>\n{"name": "read_file", "arguments": {"path": "a.py"}}\n'
+        "</tool_call><|im_end|>\n"
+        "<|im_start|>tool\nprint(1)<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    # Arguments still as the JSON string of the OpenAI wire format render unchanged.
+    call["function"]["arguments"] = '{"path": "a.py"}'  # type: ignore[index]
+    assert _render(CHAT_TEMPLATE, msgs, tools=[tool], add_generation_prompt=True) == text
+    # Without a system message the tools get a system turn of their own.
+    alone = _render(CHAT_TEMPLATE, msgs[1:], tools=[tool])
+    assert alone.startswith("<|im_start|>system\n# Tools\n<tools>\n") and "You are terse" not in alone

@@ -32,6 +32,38 @@ VLLM_PLUGIN_GROUPS = (
 )
 
 
+#: The chat template both servers are given (``--chat-template``): the models' own ChatML template
+#: (``_build_model.CHAT_TEMPLATE``, which renders plain messages exactly as this one does) plus
+#: tool calling in the Hermes style: the tools listed in the system turn, an assistant's calls as
+#: ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``, results as ``tool`` turns.
+TOOL_CALL_PARSER = "hermes"
+CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages and messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    '{{- \'\\n</tools>\\nCall a tool as <tool_call>{"name": ..., "arguments": ...}</tool_call>.<|im_end|>\\n\' }}'
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if tools and loop.first and message['role'] == 'system' %}"
+    "{%- elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{{- '<|im_start|>assistant\\n' + (message['content'] or '') }}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- set f = call['function'] if call['function'] is defined else call %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + f['name'] + '\", \"arguments\": ' }}"
+    "{{- f['arguments'] if f['arguments'] is string else f['arguments'] | tojson }}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
 def default_dtype(cpuinfo: str | None = None) -> str:
     """``bfloat16`` where the CPU computes it natively (AVX512-BF16 or AMX), else ``float32``: on
     CPUs without them vLLM's bf16 path is emulated and about 3x slower than fp32 (measured: a
@@ -153,6 +185,11 @@ def server_command(
         "--dtype",
         spec.dtype,
         "--enforce-eager",
+        "--chat-template",
+        CHAT_TEMPLATE,
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        TOOL_CALL_PARSER,
         "--kv-transfer-config",
         json.dumps(kv_config, separators=(",", ":")),
     ]
