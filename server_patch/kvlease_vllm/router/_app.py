@@ -129,7 +129,11 @@ def _lifespan(router: Router) -> Callable[[web.Application], AsyncIterator[None]
             keepalive_timeout=s.keepalive_timeout,
             ttl_dns_cache=300,
         )
-        router.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        # The router relays upstream bytes as they come (auto_decompress off) and scans them for
+        # handles to strip: it must ask for them uncompressed (aiohttp would offer gzip/deflate).
+        router.session = aiohttp.ClientSession(
+            connector=connector, auto_decompress=False, headers={"Accept-Encoding": "identity"}
+        )
         health: asyncio.Task[None] | None = None
         try:
             router.plan = await _validate(router)

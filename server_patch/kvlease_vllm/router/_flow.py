@@ -186,11 +186,20 @@ async def _send(
         return await router.http().post(url, data=data, headers=headers, timeout=timeout)
 
 
+def _encoded(resp: aiohttp.ClientResponse) -> bool:
+    """The answer has a content coding (the router asks for ``identity``, and relays bytes as they
+    come: it could not find, nor strip, a handle inside compressed ones)."""
+    coding = resp.headers.get("Content-Encoding")
+    return coding is not None and coding.strip().lower() not in ("", "identity")
+
+
 async def _post_json(
     router: Router, node: Node, path: str, data: bytes, headers: dict[str, str]
 ) -> dict[str, Any]:
     try:
         async with await _send(router, node.url + path, data, headers, router.prefill_timeout) as resp:
+            if _encoded(resp):  # asked for identity; compressed bytes cannot be scanned
+                raise _UpstreamDown(f"{node.role} {node.url}: compressed answer")
             raw = await resp.read()
             if resp.status >= 400:
                 raise _Upstream4xx(resp.status, raw, resp.content_type)
@@ -336,6 +345,13 @@ async def _decode(
             if node.down_until:
                 router.upstreams.mark_up(node)
             try:
+                if _encoded(upstream):  # asked for identity; compressed bytes cannot be scanned
+                    upstream.close()
+                    router.metrics.upstream_errors["decode"].inc()
+                    await _forget_handle(router, turn, node)
+                    return error_response(
+                        502, "decode node answered with a compressed body", "upstream_error"
+                    )
                 if upstream.status >= 400:
                     raw = await upstream.read()
                     router.metrics.upstream_errors["decode"].inc()

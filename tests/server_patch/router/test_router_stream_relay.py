@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
+import os
+import socket
+import sys
 import time
 from typing import Any
 
 import orjson
 import pytest
-from conftest import ClusterFactory, assistant_text, parse_body
+from aiohttp import web
+from conftest import Cluster, ClusterFactory, assistant_text, parse_body
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -184,3 +189,99 @@ def test_rewrite_events_matches_the_line_by_line_form(lines: list[bytes], traili
     want, want_found = _rewrite_reference(block)
     assert got == want and found == want_found
     assert NEEDLE not in got
+
+
+# ---- content coding: the router scans upstream bytes for handles, so it asks for them plain ----
+
+
+async def test_upstream_requests_ask_for_uncompressed_answers(cluster: Cluster) -> None:
+    r, _ = await cluster.chat([{"role": "user", "content": "plain please " * 10}], cid="enc", stream=True)
+    assert r.status == 200
+    for node in (cluster.pair.prefill, cluster.pair.decode):
+        assert node.headers[-1]["Accept-Encoding"] == "identity"
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_compressed_upstream_answer_is_a_502_not_a_leak(
+    make_cluster: ClusterFactory, role: str, stream: bool
+) -> None:
+    """An upstream that compresses anyway: the handle inside could be neither found nor stripped."""
+    cluster = await make_cluster()
+    kv = {"remote_block_ids": [1], "remote_engine_id": "secret-engine", "remote_request_id": "r"}
+
+    async def gzipping(request: web.Request) -> web.Response:
+        body = orjson.loads(await request.read())
+        if body.get("stream"):
+            event = {"choices": [{"index": 0, "delta": {"content": "hi"}}], KV_TRANSFER_PARAMS: kv}
+            payload = b"data: " + orjson.dumps(event) + b"\n\ndata: [DONE]\n\n"
+            content_type = "text/event-stream"
+        else:
+            payload = orjson.dumps({"choices": [{"message": {"content": "hi"}}], KV_TRANSFER_PARAMS: kv})
+            content_type = "application/json"
+        return web.Response(
+            body=gzip.compress(payload), headers={"Content-Encoding": "gzip", "Content-Type": content_type}
+        )
+
+    app = web.Application()
+    app.router.add_post(CHAT, gzipping)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        pool = cluster.router.upstreams.prefill if role == "prefill" else cluster.router.upstreams.decode
+        pool.nodes[0].url = f"http://127.0.0.1:{port}"
+        payload = {"model": "fake-model", "messages": [{"role": "user", "content": "x"}], "stream": stream}
+        async with cluster.client.post(
+            cluster.url + CHAT, json=payload, headers={"X-Conversation-Id": "gz"}, auto_decompress=False
+        ) as resp:
+            raw = await resp.read()
+        assert resp.status == 502, raw[:300]
+        assert "Content-Encoding" not in resp.headers
+        for body in (raw, gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw):
+            assert NEEDLE not in body and b"secret-engine" not in body
+    finally:
+        await runner.cleanup()
+
+
+# ---- Nagle: every socket the router writes small events or requests on has TCP_NODELAY ----------
+
+
+def _tcp_sockets() -> list[tuple[tuple[str, int], tuple[str, int], int]]:
+    """(local, peer, TCP_NODELAY) of this process's connected TCP sockets (Linux)."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            s = socket.socket(fileno=os.dup(int(fd)))
+        except OSError:
+            continue
+        with s:
+            if s.family != socket.AF_INET or s.type != socket.SOCK_STREAM:
+                continue
+            try:
+                peer = s.getpeername()
+            except OSError:
+                continue  # a listening socket
+            out.append((s.getsockname(), peer, s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)))
+    return out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/fd")
+async def test_router_sockets_have_nodelay_both_ways(cluster: Cluster) -> None:
+    msgs = [{"role": "user", "content": "nagle " * 20}]
+    async with cluster.client.post(
+        cluster.url + CHAT, json={"model": "m", "messages": msgs, "stream": True}
+    ) as resp:  # held open while the sockets are inspected
+        await resp.content.readany()
+        router_port = int(cluster.url.rsplit(":", 1)[1])
+        upstream_ports = {int(n.url.rsplit(":", 1)[1]) for n in (cluster.pair.prefill, cluster.pair.decode)}
+        socks = _tcp_sockets()
+        await resp.read()
+    downstream = [s for s in socks if s[0][1] == router_port]
+    upstream = [s for s in socks if s[1][1] in upstream_ports]
+    assert downstream and upstream, socks
+    assert all(nodelay for *_, nodelay in downstream + upstream), socks
