@@ -27,7 +27,8 @@ Figures:
   alternating blocks (order rotating) so drift in the machine's load hits all of them alike.
 
 On a 2-core machine the load generator, the router and the fake servers share the cores; the
-loaded figures are bounded by that, and ``load_average_at_start`` says how busy the machine was.
+loaded figures are bounded by that. ``other_processes_cpu_share`` (per phase, from ``/proc``) says
+how much of the machine other jobs took meanwhile: figures taken at a high share are not comparable.
 
 Run: ``python benchmarks/router_overhead.py [--quick]``; importable: ``run(quick) -> dict``.
 """
@@ -319,6 +320,37 @@ def _cpu_seconds(pid: int) -> float | None:
         return None
 
 
+def _busy_seconds() -> float | None:
+    """CPU seconds the whole machine has been busy (``/proc/stat``: user, nice, system, irq,
+    softirq, steal), or ``None`` where unavailable."""
+    try:
+        v = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    return (v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / os.sysconf("SC_CLK_TCK")
+
+
+class _OtherLoad:
+    """The share of the machine's CPU that processes other than this benchmark's used while it
+    measured (0: the cores were ours; near 1: another job had them and the figures are not
+    comparable)."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids = pids
+        self.t0, self.busy0, self.ours0 = time.monotonic(), _busy_seconds(), self._ours()
+
+    def _ours(self) -> float | None:
+        got = [_cpu_seconds(p) for p in self.pids]
+        return None if None in got else sum(g for g in got if g is not None)
+
+    def share(self) -> float | None:
+        busy, ours = _busy_seconds(), self._ours()
+        if busy is None or ours is None or self.busy0 is None or self.ours0 is None:
+            return None
+        wall = (time.monotonic() - self.t0) * (os.cpu_count() or 1)
+        return round(max(0.0, (busy - self.busy0) - (ours - self.ours0)) / wall, 3)
+
+
 def _cpu_ms_per_turn(before: float | None, after: float | None, turns: int) -> float | None:
     if before is None or after is None or not turns:
         return None
@@ -465,7 +497,9 @@ async def _router_statuses(router: str) -> dict[str, float]:
     return out
 
 
-async def _measure(quick: bool, urls: dict[str, str], router_pid: int) -> dict[str, Any]:
+async def _measure(quick: bool, urls: dict[str, str], pids: dict[str, int]) -> dict[str, Any]:
+    router_pid = pids["router"]
+    ours = [os.getpid(), *pids.values()]
     paths: dict[str, Turn] = {
         "router": make_proxy_turn(urls["router"]),
         "direct_pd": make_direct_pd_turn(urls["prefill"], urls["decode"]),
@@ -482,8 +516,12 @@ async def _measure(quick: bool, urls: dict[str, str], router_pid: int) -> dict[s
     trace.on_connection_create_end.append(on_new_conn)
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=120)
     async with aiohttp.ClientSession(connector=connector, trace_configs=[trace]) as s:
+        other = _OtherLoad(ours)
         unloaded = await _unloaded(s, paths, 300 if quick else 1500, 30, router_pid, new_conns)
+        unloaded["other_processes_cpu_share"] = other.share()
+        other = _OtherLoad(ours)
         loaded = await _loaded(s, paths, 64, 4.0 if quick else 12.0, 2 if quick else 4, router_pid)
+        loaded["other_processes_cpu_share"] = other.share()
     base, direct = loaded["baseline_fastapi_httpx"], loaded["direct_pd"]
     added = unloaded["added_vs_direct_pd"]
     return {
@@ -529,7 +567,11 @@ def print_table(res: dict[str, Any]) -> None:
             )
     print(f"  router CPU {res['loaded_64_conversations']['router_cpu_ms_per_turn']} ms/turn")
     print(f"goal: {res['router_added_latency_unloaded']}")
-    print(f"load average at start {res['load_average_at_start']}, at end {res['load_average_at_end']}")
+    print(
+        f"load average at start {res['load_average_at_start']}, at end {res['load_average_at_end']}; "
+        f"CPU share of other processes: unloaded {u['other_processes_cpu_share']}, "
+        f"loaded {res['loaded_64_conversations']['other_processes_cpu_share']}"
+    )
 
 
 def run(quick: bool = False) -> dict[str, Any]:
@@ -580,7 +622,8 @@ def run(quick: bool = False) -> dict[str, Any]:
 
         async def go() -> dict[str, Any]:
             await _wait_http(urls["baseline"] + "/docs", timeout=180.0)
-            return await _measure(quick, urls, router.p.pid)
+            pids = {"router": router.p.pid, "fake": fake.p.pid, "baseline": baseline.p.pid}
+            return await _measure(quick, urls, pids)
 
         result: dict[str, Any] = runner(go())
         return result
