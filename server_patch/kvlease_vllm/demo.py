@@ -258,7 +258,8 @@ def _agent(
                     warnings.simplefilter("always", kvlease.KVLeaseWarning)
                     answer, calls = _collect(_create(conv, model, messages, action, extra, headers))
                 for w in caught:  # the SDK's warning, shown as a note under the turn's row
-                    say(f"  SDK warning: {str(w.message).split('. ')[0]}.", reuse)
+                    first = re.sub(r"^kvlease: conversation '[^']*': ", "", str(w.message)).split(", so ")[0]
+                    say(f"  SDK warning: {first}", reuse)
                 answers.append(
                     json.dumps([answer, [(c["function"]["name"], c["function"]["arguments"]) for c in calls]])
                 )
