@@ -9,14 +9,20 @@ A body it cannot read (unknown content encoding, malformed JSON) just yields les
 
 from __future__ import annotations
 
+import json
 import zlib
 from dataclasses import dataclass
 from typing import Any
+
+import orjson
 
 from kvlease import _json
 from kvlease._strip import REASONING_FIELDS, AssistantReply, ToolCall
 
 __all__ = ["Observed", "ResponseObserver"]
+
+_orjson_loads = orjson.loads
+_OrjsonError = orjson.JSONDecodeError
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,33 +82,34 @@ class ResponseObserver:
     def feed(self, chunk: bytes, now: float) -> None:
         if not chunk:
             return
+        if self._first is not None:
+            # the first-token time is known: keep the bytes and read them in result(), so a
+            # streamed reply costs one list append per chunk while the caller reads it
+            if self._enabled:
+                self._chunks.append(chunk)
+            return
         if not self.sse:
-            if self._first is None:
-                self._first = now
+            self._first = now
             if self._enabled:
                 self._chunks.append(chunk)
             return
         if not self._enabled:
-            if self._first is None:
-                self._first = now
+            self._first = now
             return
         if self._decoder is not None:
             chunk = self._decoder.decompress(chunk)
-        buf = self._buf + chunk if self._buf else chunk
-        if b"\r" in buf:  # CRLF line ends; a pair split over two chunks meets again in the buffer
-            buf = buf.replace(b"\r\n", b"\n")
-        start = 0
-        while True:
-            end = buf.find(b"\n\n", start)
-            if end < 0:
-                break
-            self._event(buf[start:end], now)
-            start = end + 2
-        self._buf = buf[start:]
+        self._sse(self._buf + chunk if self._buf else chunk, now)
 
     def result(self) -> Observed:
-        if not self.sse and self._enabled and self._chunks:
-            self._json_body()
+        if self._chunks:
+            chunks, self._chunks = self._chunks, []
+            if self.sse:
+                rest = b"".join(chunks)
+                if self._decoder is not None:
+                    rest = self._decoder.decompress(rest)
+                self._sse(self._buf + rest if self._buf else rest, self._first or 0.0)
+            else:
+                self._json_body(b"".join(chunks))
         reply: AssistantReply | None = None
         if self._complete:
             reply = AssistantReply(
@@ -111,7 +118,9 @@ class ResponseObserver:
                 reasoning_field=self._reasoning_field,
                 tool_calls=tuple(
                     ToolCall(t.id, t.name, "".join(t.args)) for _, t in sorted(self._tools.items())
-                ),
+                )
+                if self._tools
+                else (),
             )
         usage = self._usage if isinstance(self._usage, dict) else {}
         return Observed(
@@ -120,8 +129,7 @@ class ResponseObserver:
 
     # ------------------------------------------------------------------------------------------ JSON
 
-    def _json_body(self) -> None:
-        body = b"".join(self._chunks)
+    def _json_body(self, body: bytes) -> None:
         if self._decoder is not None:
             body = self._decoder.decompress(body) + self._decoder.flush()
         try:
@@ -151,14 +159,17 @@ class ResponseObserver:
 
     # ------------------------------------------------------------------------------------------- SSE
 
-    def _event(self, event: bytes, now: float) -> None:
-        data: bytes | None = None
-        if event.startswith(b"data: ") and b"\n" not in event:  # the common one-line event
-            data = event[6:]
-        else:
-            self._event_lines(event, now)
-            return
-        self._data(data, now)
+    def _sse(self, buf: bytes, now: float) -> None:
+        """Read the complete events in ``buf``; keep the incomplete rest for the next bytes."""
+        if b"\r" in buf:  # CRLF line ends; a pair split over two chunks meets again in the buffer
+            buf = buf.replace(b"\r\n", b"\n")
+        events = buf.split(b"\n\n")
+        self._buf = events.pop()
+        for event in events:
+            if event.startswith(b"data: ") and b"\n" not in event:  # the common one-line event
+                self._data(event[6:], now)
+            else:
+                self._event_lines(event, now)
 
     def _event_lines(self, event: bytes, now: float) -> None:
         data: bytes | None = None
@@ -170,20 +181,29 @@ class ResponseObserver:
             self._data(data, now)
 
     def _data(self, data: bytes, now: float) -> None:
-        if data == b"[DONE]":
-            self._complete = True
-            return
+        # the hot path of a streamed reply (one call per event): _json.loads and _choice0 inlined
         try:
-            obj = _json.loads(data)
-        except ValueError:
-            return
+            obj = _orjson_loads(data)
+        except _OrjsonError:
+            if data == b"[DONE]":
+                self._complete = True
+                return
+            try:
+                obj = json.loads(data)  # what orjson refuses and json reads (NaN, Infinity)
+            except ValueError:
+                return
         if not isinstance(obj, dict):
             return
         usage = obj.get("usage")
         if usage:
             self._usage = usage
-        choice = _choice0(obj.get("choices"))
-        if choice is None:
+        choices = obj.get("choices")
+        if not isinstance(choices, list):
+            return
+        for choice in choices:
+            if isinstance(choice, dict) and choice.get("index", 0) == 0:
+                break
+        else:
             return
         got = False
         delta = choice.get("delta")
@@ -192,19 +212,20 @@ class ResponseObserver:
             if text:
                 self._content.append(text)
                 got = True
-            for name in REASONING_FIELDS:
-                r = delta.get(name)
-                if r:
-                    self._reasoning.append(r)
-                    if self._reasoning_field is None:
-                        self._reasoning_field = name
+            if not text or len(delta) > 1:  # reasoning or tool calls can be in it
+                for name in REASONING_FIELDS:
+                    r = delta.get(name)
+                    if r:
+                        self._reasoning.append(r)
+                        if self._reasoning_field is None:
+                            self._reasoning_field = name
+                        got = True
+                        break
+                calls = delta.get("tool_calls")
+                if calls:
                     got = True
-                    break
-            calls = delta.get("tool_calls")
-            if calls:
-                got = True
-                for call in calls:
-                    self._tool_delta(call)
+                    for call in calls:
+                        self._tool_delta(call)
         else:
             text = choice.get("text")
             if text:

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvlease import ToolCall
+from kvlease import AssistantReply, ToolCall
 from kvlease._observe import ResponseObserver
 
 
@@ -145,3 +145,37 @@ def test_hot_path_json_accepts_what_the_standard_library_accepts() -> None:
     assert math.isnan(_json.loads(b'{"x": NaN}')["x"])  # orjson refuses it; json does not
     with pytest.raises(ValueError):
         _json.loads(b"{not json")
+
+
+def _sse_body() -> bytes:
+    events = [{"choices": [{"index": 0, "delta": {"content": w}, "finish_reason": None}]} for w in "abc"]
+    events.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    events.append({"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 3}})
+    return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("encoding", [None, "gzip"])
+def test_sse_read_after_the_first_token_gives_the_same_result(encoding: str | None) -> None:
+    body = _sse_body()
+    if encoding:
+        body = gzip.compress(body)
+    obs = ResponseObserver(sse=True, content_encoding=encoding)
+    for i in range(0, len(body), 5):
+        obs.feed(body[i : i + 5], float(i))
+    first = obs.result()
+    assert first == obs.result()  # result() can be asked again
+    assert first.reply is not None and first.reply.content == "abc"
+    assert (first.prompt_tokens, first.completion_tokens) == (4, 3)
+    assert first.first_token_at is not None
+    if not encoding:  # the time of the piece that completed the first event
+        assert first.first_token_at == (_sse_body().index(b"\n\n") + 1) // 5 * 5
+    whole = ResponseObserver(sse=True, content_encoding=encoding)
+    whole.feed(body, first.first_token_at)
+    assert whole.result() == first
+
+
+def test_json_result_is_stable() -> None:
+    obs = ResponseObserver(sse=False)
+    obs.feed(b'{"choices":[{"index":0,"message":{"content":"x"}}]', 1.0)
+    obs.feed(b"}", 2.0)
+    assert obs.result() == obs.result() and obs.result().reply == AssistantReply(content="x")
