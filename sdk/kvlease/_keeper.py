@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -63,6 +64,9 @@ class _KeeperBase:
         self.on_drop = on_drop
         self.lock = threading.Lock()
         self.closed = False
+        # when the renewal loop wakes up next, as it computed under the lock before waiting (None:
+        # not waiting on a time): a lease due no earlier needs no wakeup, so a turn does not wake it
+        self._sleeping_until: float | None = None
         #: Counters: renew requests sent (attempts included), renew rounds that failed, releases sent.
         self.renew_requests = 0
         self.renew_failures = 0
@@ -83,6 +87,10 @@ class _KeeperBase:
             return wait_exponential_jitter(multiplier=p.initial_wait_s, max=p.max_wait_s, jitter=p.jitter_s)
         except TypeError:  # pragma: no cover - older tenacity
             return wait_exponential_jitter(initial=p.initial_wait_s, max=p.max_wait_s, jitter=p.jitter_s)
+
+    def _needs_wakeup(self, due: float) -> bool:
+        """Under the lock: does a lease due at ``due`` come before the loop's own wakeup?"""
+        return self._sleeping_until is None or due < self._sleeping_until
 
     def _record(self, table_op: Callable[[], list[str]], what: str) -> None:
         with self.lock:
@@ -143,13 +151,15 @@ class LeaseKeeper(_KeeperBase):
         with self.lock:
             if self.closed:
                 return
-            self.table.activate(conversation_id, root, ttl, headers, self.clock(), explicit=explicit)
+            due = self.table.activate(conversation_id, root, ttl, headers, self.clock(), explicit=explicit)
             start = self.heartbeat and self._thread is None
             if start:
                 self._thread = threading.Thread(target=self._run, name="kvlease-lease-keeper", daemon=True)
+            wake = self._thread is not None and self._needs_wakeup(due)
         if start and self._thread is not None:
             self._thread.start()
-        self._wakeup.set()
+        if wake:
+            self._wakeup.set()
 
     def renew_now(self, *, force: bool = True) -> None:
         """Run one renewal round in the calling thread (every open lease when ``force``). Never raises."""
@@ -187,9 +197,11 @@ class LeaseKeeper(_KeeperBase):
     def _run(self) -> None:
         while not self._stop_event.is_set():
             with self.lock:
-                wake = self.table.next_wakeup()
+                wake = self._sleeping_until = self.table.next_wakeup()
             timeout = None if wake is None else max(0.0, wake - self.clock())
             self._wakeup.wait(timeout)
+            with self.lock:
+                self._sleeping_until = -math.inf  # awake: reads the table before it waits again
             self._wakeup.clear()
             if self._stop_event.is_set():
                 return
@@ -284,7 +296,8 @@ class AsyncLeaseKeeper(_KeeperBase):
         with self.lock:
             if self.closed:
                 return
-            self.table.activate(conversation_id, root, ttl, headers, self.clock(), explicit=explicit)
+            due = self.table.activate(conversation_id, root, ttl, headers, self.clock(), explicit=explicit)
+            wake = self._needs_wakeup(due)
         if not self.heartbeat:
             return
         if self._task is None:
@@ -294,7 +307,7 @@ class AsyncLeaseKeeper(_KeeperBase):
                 return
             self._wakeup, self._stop_event = asyncio.Event(), asyncio.Event()
             self._task = loop.create_task(self._run(), name="kvlease-lease-keeper")
-        if self._wakeup is not None:
+        if wake and self._wakeup is not None:
             self._wakeup.set()
 
     async def renew_now(self, *, force: bool = True) -> None:
@@ -335,12 +348,14 @@ class AsyncLeaseKeeper(_KeeperBase):
         assert self._wakeup is not None and self._stop_event is not None
         while not self._stop_event.is_set():
             with self.lock:
-                wake = self.table.next_wakeup()
+                wake = self._sleeping_until = self.table.next_wakeup()
             timeout = None if wake is None else max(0.0, wake - self.clock())
             try:
                 await asyncio.wait_for(self._wakeup.wait(), timeout)
             except asyncio.TimeoutError:
                 pass
+            with self.lock:
+                self._sleeping_until = -math.inf  # awake: reads the table before it waits again
             self._wakeup.clear()
             if self._stop_event.is_set():
                 return

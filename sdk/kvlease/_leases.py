@@ -117,8 +117,9 @@ class LeaseTable:
         now: float,
         *,
         explicit: bool,
-    ) -> None:
-        """A turn ended with a lease of ``ttl`` seconds on ``root``."""
+    ) -> float:
+        """A turn ended with a lease of ``ttl`` seconds on ``root``; returns when that router's
+        leases are renewed next."""
         old_root = self._where.get(conversation_id)
         if old_root is not None and old_root != root:
             self._routers[old_root].leases.pop(conversation_id, None)
@@ -132,6 +133,7 @@ class LeaseTable:
             router.next_due = min(router.next_due, now + self.renew_fraction * ttl)
         router.leases[conversation_id] = _Lease(now + ttl, now, explicit)
         self._where[conversation_id] = root
+        return router.next_due
 
     def forget(self, conversation_id: str) -> ReleaseOrder | None:
         """Stop renewing ``conversation_id``; what to release, if it held a lease."""

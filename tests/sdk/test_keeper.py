@@ -16,6 +16,7 @@ from openai import AsyncOpenAI, OpenAI
 import kvlease
 from kvlease import RetryPolicy, protocol
 from kvlease._http import hx
+from kvlease._keeper import LeaseKeeper
 
 USER = {"role": "user", "content": "hi"}
 RENEW = protocol.RENEW_PATH
@@ -195,3 +196,27 @@ async def test_async_keeper(fake_server: FakeOpenAIServer) -> None:
         assert "x" not in akc.keeper and "y" in akc.keeper
     assert _deletes(fake_server) == ["y"]
     await raw.close()
+
+
+def test_keeper_wakes_only_for_an_earlier_deadline() -> None:
+    now = [0.0]
+    keeper = LeaseKeeper(hx.Client(), heartbeat=False, clock=lambda: now[0])
+    keeper._thread = object()  # type: ignore[assignment]  # as if its loop were waiting
+    woken: list[bool] = []
+    keeper._wakeup.set = lambda: woken.append(True)  # type: ignore[method-assign]
+    keeper._sleeping_until = None  # waiting without a deadline: any lease wakes it
+    keeper.activate("a", "http://r1", 100.0, {}, explicit=True)
+    assert woken == [True]
+    keeper._sleeping_until = 60.0  # the loop waits until r1 is due
+    now[0] = 10.0
+    keeper.activate("a", "http://r1", 100.0, {}, explicit=True)  # due at 60 still: no wakeup
+    assert woken == [True]
+    keeper.activate("b", "http://r2", 50.0, {}, explicit=True)  # due at 40: wakes it
+    assert woken == [True, True]
+    keeper.activate("c", "http://r1", 20.0, {}, explicit=True)  # r1 now due at 22: wakes it
+    assert woken == [True, True, True]
+    keeper._sleeping_until = -float("inf")  # awake: it reads the table before waiting again
+    keeper.activate("d", "http://r3", 1.0, {}, explicit=True)
+    assert woken == [True, True, True]
+    keeper._thread = None
+    keeper.close()
