@@ -7,9 +7,7 @@ import os
 import threading
 from pathlib import Path
 from types import TracebackType
-from typing import IO, TYPE_CHECKING
-
-from kvlease import protocol
+from typing import IO, TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvlease._core import Turn
@@ -31,18 +29,7 @@ class TurnLog:
         self._fh: IO[str] | None = None
 
     def write(self, turn: Turn) -> None:
-        record = protocol.TurnLogRecord(
-            conversation_id=turn.conversation_id,
-            ts=round(turn.started_at, 6),
-            prompt_tokens=turn.prompt_tokens,
-            completion_tokens=turn.completion_tokens,
-            ttft_s=None if turn.ttft_s is None else round(turn.ttft_s, 6),
-            status=None if turn.status is None else turn.status.value,
-            reused_tokens=turn.reused_tokens,
-            gap_s=None if turn.gap_s is None else round(turn.gap_s, 6),
-            extra={"turn": turn.index, "history": turn.history.value, "reuse_off": turn.reuse_forced_off},
-        )
-        line = json.dumps(record.to_json(), separators=(",", ":")) + "\n"
+        line = _encode(_record(turn)) + "\n"
         with self._lock:
             if self._fh is None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -63,3 +50,26 @@ class TurnLog:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+#: ``json.dumps(..., separators=(",", ":"))`` without building an encoder per line
+_encode = json.JSONEncoder(separators=(",", ":")).encode
+
+
+def _record(turn: Turn) -> dict[str, Any]:
+    """The line of ``turn``: what ``protocol.TurnLogRecord(...).to_json()`` gives, the keys of
+    :data:`kvlease.protocol.TURN_LOG_FIELDS` then ``turn``, ``history`` and ``reuse_off`` (built
+    directly: a turn log writes one per call)."""
+    return {
+        "conversation_id": turn.conversation_id,
+        "ts": round(turn.started_at, 6),
+        "prompt_tokens": turn.prompt_tokens,
+        "completion_tokens": turn.completion_tokens,
+        "ttft_s": None if turn.ttft_s is None else round(turn.ttft_s, 6),
+        "status": None if turn.status is None else turn.status.value,
+        "reused_tokens": turn.reused_tokens,
+        "gap_s": None if turn.gap_s is None else round(turn.gap_s, 6),
+        "turn": turn.index,
+        "history": turn.history.value,
+        "reuse_off": turn.reuse_forced_off,
+    }

@@ -342,6 +342,41 @@ def test_turn_log_object(openai_client: OpenAI, tmp_path: Path) -> None:
     assert len(log.path.read_text().splitlines()) == 1
 
 
+@pytest.mark.parametrize("full", [True, False])
+def test_turn_log_line_is_the_protocol_record(full: bool) -> None:
+    from kvlease._turnlog import _encode, _record
+
+    turn = kvlease.Turn(
+        index=3,
+        conversation_id="c-1",
+        started_at=1796101769.4956539,
+        ended_at=1796101770.0,
+        ttft_s=0.0000123456 if full else None,
+        prompt_tokens=10 if full else None,
+        completion_tokens=40 if full else None,
+        status=ReuseStatus.HIT if full else None,
+        reused_tokens=12 if full else None,
+        ttl_s=30.0,
+        history=HistoryClass.EXACT,
+        reuse_forced_off=not full,
+        gap_s=0.020272731 if full else None,
+    )
+    record = protocol.TurnLogRecord(
+        conversation_id=turn.conversation_id,
+        ts=round(turn.started_at, 6),
+        prompt_tokens=turn.prompt_tokens,
+        completion_tokens=turn.completion_tokens,
+        ttft_s=None if turn.ttft_s is None else round(turn.ttft_s, 6),
+        status=None if turn.status is None else turn.status.value,
+        reused_tokens=turn.reused_tokens,
+        gap_s=None if turn.gap_s is None else round(turn.gap_s, 6),
+        extra={"turn": turn.index, "history": turn.history.value, "reuse_off": turn.reuse_forced_off},
+    )
+    line = _encode(_record(turn))
+    assert line == json.dumps(record.to_json(), separators=(",", ":"))
+    assert list(json.loads(line))[: len(protocol.TURN_LOG_FIELDS)] == list(protocol.TURN_LOG_FIELDS)
+
+
 # --------------------------------------------------------------------------------------- async
 
 
