@@ -55,8 +55,10 @@ class ResponseObserver:
         "_first",
         "_reasoning",
         "_reasoning_field",
+        "_reply",
         "_tools",
         "_usage",
+        "sink",
         "sse",
     )
 
@@ -78,13 +80,16 @@ class ResponseObserver:
         self._tools: dict[int, _ToolAcc] = {}
         self._usage: Any = None
         self._complete = False
+        self._reply: AssistantReply | None = None  # a JSON body's message, as result() gives it
+        #: Once the first-token time is known, the rest of the body is only kept and read in
+        #: result(): ``sink`` is then the list to append the later chunks to (instead of feed()),
+        #: so a streamed reply costs one list append per chunk while the caller reads it.
+        self.sink: list[bytes] | None = None
 
     def feed(self, chunk: bytes, now: float) -> None:
         if not chunk:
             return
         if self._first is not None:
-            # the first-token time is known: keep the bytes and read them in result(), so a
-            # streamed reply costs one list append per chunk while the caller reads it
             if self._enabled:
                 self._chunks.append(chunk)
             return
@@ -92,6 +97,7 @@ class ResponseObserver:
             self._first = now
             if self._enabled:
                 self._chunks.append(chunk)
+                self.sink = self._chunks
             return
         if not self._enabled:
             self._first = now
@@ -99,8 +105,11 @@ class ResponseObserver:
         if self._decoder is not None:
             chunk = self._decoder.decompress(chunk)
         self._sse(self._buf + chunk if self._buf else chunk, now)
+        if self._first is not None:
+            self.sink = self._chunks
 
     def result(self) -> Observed:
+        self.sink = None
         if self._chunks:
             chunks, self._chunks = self._chunks, []
             if self.sse:
@@ -111,7 +120,9 @@ class ResponseObserver:
             else:
                 self._json_body(b"".join(chunks))
         reply: AssistantReply | None = None
-        if self._complete:
+        if self._complete and self._reply is not None:
+            reply = self._reply
+        elif self._complete:
             reply = AssistantReply(
                 content="".join(self._content) if self._content else None,
                 reasoning="".join(self._reasoning) if self._reasoning else None,
@@ -145,14 +156,9 @@ class ResponseObserver:
         message = choice.get("message")
         if isinstance(message, dict):
             reply = AssistantReply.from_message(message)
-            if reply.content:
-                self._content.append(reply.content)
-            if reply.reasoning:
-                self._reasoning.append(reply.reasoning)
-                self._reasoning_field = reply.reasoning_field
-            for i, t in enumerate(reply.tool_calls):
-                acc = self._tools[i] = _ToolAcc()
-                acc.id, acc.name, acc.args = t.id, t.name, [t.arguments]
+            if reply.content == "":  # as a stream reads it: no content
+                reply = AssistantReply(None, reply.reasoning, reply.reasoning_field, reply.tool_calls)
+            self._reply = reply
         elif isinstance(choice.get("text"), str):
             self._content.append(choice["text"])
         self._complete = True

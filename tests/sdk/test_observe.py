@@ -179,3 +179,50 @@ def test_json_result_is_stable() -> None:
     obs.feed(b'{"choices":[{"index":0,"message":{"content":"x"}}]', 1.0)
     obs.feed(b"}", 2.0)
     assert obs.result() == obs.result() and obs.result().reply == AssistantReply(content="x")
+
+
+def test_json_message_reads_like_a_stream() -> None:
+    """A JSON body's message gives the reply a stream of the same message would give."""
+    message = {
+        "role": "assistant",
+        "content": "",
+        "reasoning": "r",
+        "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+    }
+    js = ResponseObserver(sse=False)
+    js.feed(json.dumps({"choices": [{"index": 0, "message": message}]}).encode(), 1.0)
+    deltas = [{"content": ""}, {"reasoning": "r"}, {"tool_calls": [{"index": 0, **message["tool_calls"][0]}]}]
+    sse = ResponseObserver(sse=True)
+    sse.feed(_sse([_chunk(d) for d in deltas] + [_chunk({}, "stop")]), 1.0)
+    assert (
+        js.result().reply
+        == sse.result().reply
+        == AssistantReply(
+            content=None, reasoning="r", reasoning_field="reasoning", tool_calls=(ToolCall("c1", "f", "{}"),)
+        )
+    )
+
+
+@pytest.mark.parametrize("sse", [True, False])
+def test_sink_takes_the_chunks_after_the_first_token(sse: bool) -> None:
+    """What the transport does: feed() until ``sink`` is set, then append to it."""
+    body = (
+        _sse(STREAM) if sse else json.dumps({"choices": [{"index": 0, "message": {"content": "x"}}]}).encode()
+    )
+    whole = ResponseObserver(sse=sse)
+    whole.feed(body, 1.0)
+    obs = ResponseObserver(sse=sse)
+    pieces = [body[i : i + 9] for i in range(0, len(body), 9)]
+    fed = 0
+    for piece in pieces:
+        if obs.sink is not None:
+            obs.sink.append(piece)
+        else:
+            obs.feed(piece, 1.0)
+            fed += 1
+    assert obs.sink is not None and fed < len(pieces) // 2
+    assert obs.result() == whole.result()
+    assert obs.sink is None
+    br = ResponseObserver(sse=sse, content_encoding="br")  # not read: timing only, no sink
+    br.feed(b"abc", 1.0)
+    assert br.sink is None and br.result().first_token_at == 1.0
