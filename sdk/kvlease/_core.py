@@ -10,6 +10,7 @@ callback).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -18,18 +19,47 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Final, Protocol
 
-from kvlease import protocol
+from kvlease import _json, protocol
 from kvlease._errors import ReuseOffWarning
+from kvlease._http import header_values, hx
 from kvlease._observe import ResponseObserver
 from kvlease._strip import HistoryClass, ReasoningPolicy, StripDetector, Verdict
 from kvlease.protocol import ReuseStatus
 
-__all__ = ["ConversationState", "LeaseSink", "Pending", "Tracker", "Turn", "inject_conversation_id"]
+__all__ = [
+    "ConversationState",
+    "LeaseSink",
+    "Pending",
+    "Tracker",
+    "Turn",
+    "auth_headers",
+    "inject_conversation_id",
+]
 
 log = logging.getLogger("kvlease")
 
 #: Headers that make a lease request authorized like the chat request (copied to renew/release).
 AUTH_HEADERS: Final = ("authorization", "api-key", protocol.DEFAULT_TENANT_HEADER.lower())
+#: What the transport reads of a request's headers: the conversation id and the authorization.
+REQUEST_HEADERS: Final = frozenset(
+    name.lower().encode("ascii") for name in (protocol.HEADER_CONVERSATION_ID, *AUTH_HEADERS)
+)
+CID_KEY: Final = protocol.HEADER_CONVERSATION_ID.lower().encode("ascii")
+_AUTH_KEYS: Final = tuple((name.encode("ascii"), name) for name in AUTH_HEADERS)
+#: What ``Tracker.response`` reads of a response's headers.
+RESPONSE_HEADERS: Final = frozenset(
+    name.lower().encode("ascii")
+    for name in (
+        protocol.HEADER_STATUS,
+        protocol.HEADER_REUSED_TOKENS,
+        protocol.HEADER_TTL,
+        "content-type",
+        "content-encoding",
+    )
+)
+_STATUS_KEY: Final = protocol.HEADER_STATUS.lower().encode("ascii")
+_REUSED_KEY: Final = protocol.HEADER_REUSED_TOKENS.lower().encode("ascii")
+_TTL_KEY: Final = protocol.HEADER_TTL.lower().encode("ascii")
 _BODY_KEY: Final = b'"' + protocol.BODY_CONVERSATION_ID.encode() + b'"'
 _CHAT_SUFFIX: Final = "/chat/completions"
 _COMPLETIONS_SUFFIX: Final = "/completions"
@@ -67,12 +97,15 @@ class Turn:
 class ConversationState:
     """Everything the SDK remembers about one conversation (shared by the sync and async shells)."""
 
-    __slots__ = ("closed", "detector", "explicit", "id", "last_ended_at", "turns", "warned")
+    __slots__ = ("body_prefix", "closed", "detector", "explicit", "id", "last_ended_at", "turns", "warned")
 
     def __init__(self, conversation_id: str, policy: ReasoningPolicy, *, explicit: bool) -> None:
         self.id = conversation_id
         self.explicit = explicit  # opened with conversation(); else auto-registered from a header
         self.detector = StripDetector(policy)
+        # the start of the chat body the detector recorded last (its history): the next body that
+        # begins with it is read from there on (set together with detector.record)
+        self.body_prefix: _json.BodyPrefix | None = None
         self.turns: list[Turn] = []
         self.warned = False
         self.closed = False
@@ -91,10 +124,11 @@ class Pending:
     """One tracked request between ``begin`` and ``finish``."""
 
     __slots__ = (
+        "auth",
         "body",
+        "body_prefix",
         "done",
         "header_at",
-        "headers",
         "observer",
         "origin",
         "path",
@@ -116,17 +150,19 @@ class Pending:
         body: bytes,
         origin: str,
         path: str,
-        headers: Mapping[str, str],
+        auth: Mapping[str, str],
         t0: float,
         started_at: float,
+        body_prefix: _json.BodyPrefix | None = None,
     ) -> None:
         self.state = state
         self.verdict = verdict
         self.body = body
+        self.body_prefix = body_prefix
         self.reuse_off = verdict is not None and verdict.reuse_off
         self.origin = origin
         self.path = path
-        self.headers = headers  # the request's headers: lease requests copy its authorization
+        self.auth = auth  # the request's authorization headers: lease requests copy them
         self.t0 = t0
         self.started_at = started_at
         self.status_code = 0
@@ -145,13 +181,20 @@ def inject_conversation_id(body: bytes, conversation_id: str) -> bytes:
     key, or is not a JSON object, is returned unchanged.
     """
     start = body.find(b"{")
-    if start < 0 or body[:start].strip() or _BODY_KEY in body:
+    if start < 0 or (start and body[:start].strip()) or _BODY_KEY in body:
         return body
-    rest = body[start + 1 :]
-    head = _BODY_KEY + b':"' + conversation_id.encode("ascii") + b'"'
-    return b"{" + head + (rest if rest.lstrip().startswith(b"}") else b"," + rest)
+    head = b"{" + _BODY_KEY + b':"' + conversation_id.encode("ascii") + b'"'
+    rest = memoryview(body)[start + 1 :]  # the body is copied once, into the result
+    i = start + 1
+    while i < len(body) and body[i] in _SPACE:
+        i += 1
+    return b"".join((head, rest) if body.startswith(b"}", i) else (head, b",", rest))
 
 
+_SPACE: Final = frozenset(b" \t\n\r\x0b\x0c")  # what bytes.strip() strips
+
+
+@functools.lru_cache(maxsize=256)
 def router_root(origin: str, path: str) -> str:
     """Where a router's lease API lives, from a completion request's origin and path.
 
@@ -222,46 +265,58 @@ class Tracker:
         conversation_id: str,
         origin: str,
         path: str,
-        headers: Mapping[str, str],
+        auth: Mapping[str, str],
         body: bytes,
         t0: float,
         started_at: float,
     ) -> Pending | None:
-        """Decide what a POST carrying ``X-Conversation-Id`` becomes; ``None``: send it unchanged."""
+        """Decide what a POST carrying ``X-Conversation-Id`` becomes; ``None``: send it unchanged.
+
+        ``auth``: the request's :data:`AUTH_HEADERS` (lease requests of the conversation copy them).
+        """
         chat = path.endswith(_CHAT_SUFFIX)
         if not chat and not path.endswith(_COMPLETIONS_SUFFIX):
             return None
-        try:
-            protocol.validate_conversation_id(conversation_id)
-        except protocol.InvalidConversationId as e:
-            if conversation_id not in self._bad_ids_warned and len(self._bad_ids_warned) < 64:
-                self._bad_ids_warned.add(conversation_id)
-                log.warning(
-                    "kvlease: not tracking a request with a bad %s header: %s",
-                    protocol.HEADER_CONVERSATION_ID,
-                    e,
-                )
-            return None
         state = self._conversations.get(conversation_id)
-        if state is None or state.closed:
+        if state is None or state.closed:  # (an open conversation's id was validated when opened)
+            try:
+                protocol.validate_conversation_id(conversation_id)
+            except protocol.InvalidConversationId as e:
+                if conversation_id not in self._bad_ids_warned and len(self._bad_ids_warned) < 64:
+                    self._bad_ids_warned.add(conversation_id)
+                    log.warning(
+                        "kvlease: not tracking a request with a bad %s header: %s",
+                        protocol.HEADER_CONVERSATION_ID,
+                        e,
+                    )
+                return None
             state = self.open(conversation_id, explicit=False)
         verdict: Verdict | None = None
+        prefix: _json.BodyPrefix | None = None
         if chat and self.policy != "off":
+            prev = state.body_prefix
             try:
-                data = json.loads(body)
+                data, prefix, reused = _json.loads_request(body, prev)
             except ValueError:
-                data = None
+                data, reused = None, 0
             messages = data.get("messages") if isinstance(data, dict) else None
             if isinstance(messages, list):
                 with self._lock:
-                    verdict = state.detector.inspect(messages)
+                    # messages[:reused] are prev.messages: the history recorded last turn, unless
+                    # another request of this conversation finished meanwhile (then compared)
+                    known = prev.messages if prev is not None and reused else None
+                    verdict = state.detector.inspect(messages, known_prefix=known)
+                if prefix is not None:
+                    prefix.messages = verdict.raw  # what detector.record keeps as the history
                 if verdict.repaired:
                     assert isinstance(data, dict)
                     data["messages"] = verdict.messages
                     data.setdefault(protocol.BODY_CONVERSATION_ID, conversation_id)
                     body = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+            else:
+                prefix = None
         body = inject_conversation_id(body, conversation_id)
-        pending = Pending(state, verdict, body, origin, path, headers, t0, started_at)
+        pending = Pending(state, verdict, body, origin, path, auth, t0, started_at, prefix)
         if verdict is not None and verdict.reuse_off and not state.warned:
             state.warned = True
             warnings.warn(
@@ -273,18 +328,21 @@ class Tracker:
             )
         return pending
 
-    def response(self, p: Pending, status_code: int, headers: Mapping[str, str], now: float) -> None:
+    def response(self, p: Pending, status_code: int, headers: hx.Headers, now: float) -> None:
         """The response headers of a tracked request arrived (``now``: the clock ``t0`` was read from)."""
         p.header_at = now
         p.status_code = status_code
-        p.status = ReuseStatus.parse(headers.get(protocol.HEADER_STATUS))
-        p.reused_tokens = _parse_int(headers.get(protocol.HEADER_REUSED_TOKENS))
-        p.ttl = _parse_float(headers.get(protocol.HEADER_TTL))
+        got = header_values(headers, RESPONSE_HEADERS)
+        if got:
+            status = got.get(_STATUS_KEY)
+            p.status = None if status is None else _reuse_status(status)
+            p.reused_tokens = _parse_int(got.get(_REUSED_KEY))
+            p.ttl = _parse_float(got.get(_TTL_KEY))
         if 200 <= status_code < 300:
-            content_type = headers.get("content-type") or ""
+            content_type = got.get(b"content-type") or ""
             p.observer = ResponseObserver(
                 sse=content_type.startswith("text/event-stream"),
-                content_encoding=headers.get("content-encoding"),
+                content_encoding=got.get(b"content-encoding"),
             )
 
     def finish(self, p: Pending, t_end: float, ended_at: float, *, complete: bool) -> Turn | None:
@@ -309,6 +367,8 @@ class Tracker:
                 # openai's sync Stream closes right after [DONE] without draining, so `complete`
                 # is False on every normal sync stream and cannot be the test here
                 state.detector.record(verdict, obs.reply)
+                state.body_prefix = p.body_prefix
+            last_ended_at = state.last_ended_at
             turn = Turn(
                 index=len(state.turns),
                 conversation_id=state.id,
@@ -323,7 +383,7 @@ class Tracker:
                 history=history,
                 reuse_forced_off=p.reuse_off,
                 reasoning_reattached=verdict is not None and verdict.reattached,
-                gap_s=None if state.last_ended_at is None else max(0.0, p.started_at - state.last_ended_at),
+                gap_s=None if last_ended_at is None else max(0.0, p.started_at - last_ended_at),
                 stream=sse,
             )
             state.turns.append(turn)
@@ -333,10 +393,27 @@ class Tracker:
         if self.on_turn is not None:
             self.on_turn(turn)
         if p.ttl is not None and p.ttl > 0 and self.lease_sink is not None and not state.closed:
-            auth = {name: v for name in AUTH_HEADERS if (v := p.headers.get(name)) is not None}
             root = router_root(p.origin, p.path)
-            self.lease_sink.activate(state.id, root, p.ttl, auth, explicit=state.explicit)
+            self.lease_sink.activate(state.id, root, p.ttl, p.auth, explicit=state.explicit)
         return turn
+
+
+def auth_headers(found: Mapping[bytes, str]) -> dict[str, str]:
+    """The :data:`AUTH_HEADERS` among headers read with :data:`REQUEST_HEADERS`, by name."""
+    return {name: v for key, name in _AUTH_KEYS if (v := found.get(key)) is not None}
+
+
+_STATUSES: dict[str, ReuseStatus | None] = {}
+
+
+def _reuse_status(value: str) -> ReuseStatus | None:
+    try:
+        return _STATUSES[value]
+    except KeyError:
+        status = ReuseStatus.parse(value)
+        if len(_STATUSES) < 64:  # a server sends a handful of distinct values
+            _STATUSES[value] = status
+        return status
 
 
 def _parse_int(v: str | None) -> int | None:

@@ -8,12 +8,13 @@ Type checking sees ``httpx2`` (the two families share one API).
 from __future__ import annotations
 
 import importlib
+from collections.abc import Collection
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import openai
 
-__all__ = ["FAMILY", "hx", "inner_http_client", "is_async_client"]
+__all__ = ["FAMILY", "header_values", "hx", "inner_http_client", "is_async_client"]
 
 
 def _family() -> ModuleType:
@@ -52,3 +53,41 @@ def inner_http_client(client: Any) -> Any:
 
 def is_async_client(client: Any) -> bool:
     return isinstance(client, openai.AsyncOpenAI)
+
+
+def _items_of(headers: Any) -> list[tuple[bytes, bytes, bytes]]:
+    """``(raw name, lower-case name, value)`` of every header, in order."""
+    return [(key, key.lower(), value) for key, value in headers.raw]
+
+
+def _lowered_list(headers: Any) -> list[tuple[bytes, bytes, bytes]]:
+    return headers._list  # type: ignore[no-any-return]
+
+
+def _has_lowered_list() -> bool:
+    probe = hx.Headers([("X-A", "1"), ("x-a", "2")])
+    try:
+        return _lowered_list(probe) == [(b"X-A", b"x-a", b"1"), (b"x-a", b"x-a", b"2")]
+    except AttributeError:  # pragma: no cover - another httpx layout
+        return False
+
+
+#: the headers' own list of lower-cased names when this family keeps one (httpx and httpx2 do), so
+#: reading a few headers is one pass over it; else the public ``raw`` list, lower-cased here
+_header_items = _lowered_list if _has_lowered_list() else _items_of
+
+
+def header_values(headers: hx.Headers, names: Collection[bytes]) -> dict[bytes, str]:
+    """The headers among ``names`` (lower-case) that ``headers`` has, keyed by those names: what
+    ``headers.get(name)`` returns for each (repeated headers joined with ``", "``), in one pass."""
+    found: dict[bytes, bytes] = {}
+    for _, key, value in _header_items(headers):
+        if key in names:
+            found[key] = found[key] + b", " + value if key in found else value
+    out: dict[bytes, str] = {}
+    for key, value in found.items():
+        try:
+            out[key] = value.decode("ascii")
+        except UnicodeDecodeError:
+            out[key] = value.decode(headers.encoding)
+    return out

@@ -222,14 +222,19 @@ class StripDetector:
     def last_reply(self) -> AssistantReply | None:
         return self._reply
 
-    def inspect(self, messages: Sequence[Any]) -> Verdict:
-        """Classify ``messages`` (the outgoing ``messages`` of a chat request) against the last turn."""
+    def inspect(self, messages: Sequence[Any], *, known_prefix: Sequence[Any] | None = None) -> Verdict:
+        """Classify ``messages`` (the outgoing ``messages`` of a chat request) against the last turn.
+
+        ``known_prefix``: a list the caller knows ``messages`` begins with, element for element; when
+        it is the history recorded on the last turn (``verdict.raw``), that history is not compared
+        again (a caller that parsed only the new messages of a resent history passes it).
+        """
         msgs = list(messages)
         raw, wire = self._raw, self._wire
         if raw is None or wire is None:
             return Verdict(HistoryClass.FIRST_TURN, messages=msgs, raw=msgs)
         n = len(raw)
-        if len(msgs) <= n or msgs[:n] != raw:
+        if len(msgs) <= n or (known_prefix is not raw and msgs[:n] != raw):
             return self._rewritten(msgs, raw)
         repaired_prefix = wire is not raw
         tail = msgs[n:]

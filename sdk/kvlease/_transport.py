@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from kvlease import protocol
-from kvlease._core import Pending, Tracker
-from kvlease._http import hx
+from kvlease._core import CID_KEY, REQUEST_HEADERS, Pending, Tracker, auth_headers
+from kvlease._http import header_values, hx
 
 __all__ = ["AsyncKVTransport", "KVTransport"]
 
@@ -25,36 +25,35 @@ _perf = time.perf_counter
 _wall = time.time
 
 
-def _begin(tracker: Tracker, request: hx.Request) -> tuple[hx.Request, Pending | None]:
-    cid = request.headers.get(protocol.HEADER_CONVERSATION_ID)
-    if cid is None or request.method != "POST":
-        return request, None
+def _begin(tracker: Tracker, request: hx.Request) -> Pending | None:
+    """Hand a request carrying ``X-Conversation-Id`` to the tracker; a tracked request is changed in
+    place (body with ``conversation_id``, ``Content-Length``, the reuse opt-out header): it is the
+    request object openai built for this one send, and ``response.request`` then shows what was sent."""
+    if request.method != "POST":
+        return None
+    found = header_values(request.headers, REQUEST_HEADERS)
+    cid = found.get(CID_KEY)
+    if cid is None:
+        return None
     try:
         body = request.content
     except hx.RequestNotRead:  # a streamed upload: not a completion request kvlease understands
-        return request, None
+        return None
     url = request.url
     origin = f"{url.scheme}://{url.netloc.decode('ascii')}"
     t0, started = _perf(), _wall()
-    pending = tracker.begin(cid, origin, url.path, request.headers, body, t0, started)
+    pending = tracker.begin(cid, origin, url.path, auth_headers(found), body, t0, started)
     if pending is None:
-        return request, None
-    if pending.body is body and not pending.reuse_off:
-        return request, pending
-    headers = request.headers.copy()
-    headers["Content-Length"] = str(len(pending.body))
+        return None
+    if pending.body is not body:
+        headers = request.headers
+        headers["Content-Length"] = str(len(pending.body))
+        # a ready byte stream, and the content read, as openai's own request has them
+        request.stream = hx.ByteStream(pending.body)
+        request._content = pending.body
     if pending.reuse_off:
-        headers[protocol.HEADER_REUSE] = protocol.REUSE_OFF
-    # a ready byte stream skips httpx's content encoding (several times cheaper than content=)
-    new = hx.Request(
-        request.method,
-        url,
-        headers=headers,
-        stream=hx.ByteStream(pending.body),
-        extensions=request.extensions,
-    )
-    new.read()  # so that new.content is the body sent, like any request openai builds
-    return new, pending
+        request.headers[protocol.HEADER_REUSE] = protocol.REUSE_OFF
+    return pending
 
 
 def _finish(tracker: Tracker, pending: Pending, *, complete: bool) -> None:
@@ -65,70 +64,80 @@ def _finish(tracker: Tracker, pending: Pending, *, complete: bool) -> None:
 
 
 class _ObservedStream(hx.SyncByteStream):
-    __slots__ = ("_pending", "_response", "_tracker")
+    """The body of a tracked response: the inner client's stream, observed as the caller reads it."""
 
-    def __init__(self, response: hx.Response, pending: Pending, tracker: Tracker) -> None:
-        self._response = response
+    __slots__ = ("_pending", "_stream", "_tracker")
+
+    def __init__(self, stream: Any, pending: Pending, tracker: Tracker) -> None:
+        self._stream = stream
         self._pending = pending
         self._tracker = tracker
 
     def __iter__(self) -> Iterator[bytes]:
         observer = self._pending.observer
-        stream: Any = self._response.stream
         if observer is None:
-            yield from stream
+            yield from self._stream
             return
-        feed = observer.feed
-        for chunk in stream:
-            try:
-                feed(chunk, _perf())
-            except Exception:
-                log.debug("kvlease: could not read a response chunk", exc_info=True)
-                self._pending.observer = observer = None
-                feed = _ignore
+        keep = None  # after the first token: appends to the chunks the observer reads at the end
+        for chunk in self._stream:
+            if keep is not None:
+                keep(chunk)
+            else:
+                try:
+                    observer.feed(chunk, _perf())
+                    if observer.sink is not None:
+                        keep = observer.sink.append
+                except Exception:
+                    log.debug("kvlease: could not read a response chunk", exc_info=True)
+                    self._pending.observer = None
+                    keep = _ignore
             yield chunk
         _finish(self._tracker, self._pending, complete=True)
 
     def close(self) -> None:
         try:
-            self._response.close()
+            self._stream.close()
         finally:
             _finish(self._tracker, self._pending, complete=False)
 
 
 class _AsyncObservedStream(hx.AsyncByteStream):
-    __slots__ = ("_pending", "_response", "_tracker")
+    __slots__ = ("_pending", "_stream", "_tracker")
 
-    def __init__(self, response: hx.Response, pending: Pending, tracker: Tracker) -> None:
-        self._response = response
+    def __init__(self, stream: Any, pending: Pending, tracker: Tracker) -> None:
+        self._stream = stream
         self._pending = pending
         self._tracker = tracker
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         observer = self._pending.observer
-        stream: Any = self._response.stream
         if observer is None:
-            async for chunk in stream:
+            async for chunk in self._stream:
                 yield chunk
             return
-        feed = observer.feed
-        async for chunk in stream:
-            try:
-                feed(chunk, _perf())
-            except Exception:
-                log.debug("kvlease: could not read a response chunk", exc_info=True)
-                feed = _ignore
+        keep = None
+        async for chunk in self._stream:
+            if keep is not None:
+                keep(chunk)
+            else:
+                try:
+                    observer.feed(chunk, _perf())
+                    if observer.sink is not None:
+                        keep = observer.sink.append
+                except Exception:
+                    log.debug("kvlease: could not read a response chunk", exc_info=True)
+                    keep = _ignore
             yield chunk
         _finish(self._tracker, self._pending, complete=True)
 
     async def aclose(self) -> None:
         try:
-            await self._response.aclose()
+            await self._stream.aclose()
         finally:
             _finish(self._tracker, self._pending, complete=False)
 
 
-def _ignore(chunk: bytes, now: float) -> None:
+def _ignore(chunk: bytes) -> None:
     return None
 
 
@@ -143,12 +152,14 @@ class KVTransport(hx.BaseTransport):
         self.tracker = tracker
 
     def handle_request(self, request: hx.Request) -> hx.Response:
-        request, pending = _begin(self.tracker, request)
+        pending = _begin(self.tracker, request)
         response = self.inner.send(request, stream=True)
-        if pending is None:
-            return _rewrap(response, response.stream)
-        self.tracker.response(pending, response.status_code, response.headers, _perf())
-        return _rewrap(response, _ObservedStream(response, pending, self.tracker))
+        if pending is not None:
+            self.tracker.response(pending, response.status_code, response.headers, _perf())
+            # the inner client's response goes on up, its body observed (the wrapping client binds
+            # it to this request again, as it would any transport's response)
+            response.stream = _ObservedStream(response.stream, pending, self.tracker)
+        return response
 
 
 class AsyncKVTransport(hx.AsyncBaseTransport):
@@ -159,18 +170,9 @@ class AsyncKVTransport(hx.AsyncBaseTransport):
         self.tracker = tracker
 
     async def handle_async_request(self, request: hx.Request) -> hx.Response:
-        request, pending = _begin(self.tracker, request)
+        pending = _begin(self.tracker, request)
         response = await self.inner.send(request, stream=True)
-        if pending is None:
-            return _rewrap(response, response.stream)
-        self.tracker.response(pending, response.status_code, response.headers, _perf())
-        return _rewrap(response, _AsyncObservedStream(response, pending, self.tracker))
-
-
-def _rewrap(response: hx.Response, stream: Any) -> hx.Response:
-    return hx.Response(
-        status_code=response.status_code,
-        headers=response.headers,
-        stream=stream,
-        extensions=response.extensions,
-    )
+        if pending is not None:
+            self.tracker.response(pending, response.status_code, response.headers, _perf())
+            response.stream = _AsyncObservedStream(response.stream, pending, self.tracker)
+        return response

@@ -247,3 +247,14 @@ def test_reply_from_message_prefers_reasoning_and_parses_tool_calls() -> None:
 def test_bad_policy_is_a_value_error() -> None:
     with pytest.raises(ValueError, match="reasoning policy"):
         StripDetector("strip")  # type: ignore[arg-type]
+
+
+def test_known_prefix_skips_only_the_recorded_history() -> None:
+    det = StripDetector()
+    v1 = det.inspect([USER1])
+    det.record(v1, AssistantReply(content="ok"))
+    msgs = [USER1, {"role": "assistant", "content": "ok"}, USER1]
+    assert det.inspect(msgs, known_prefix=v1.raw).history is HistoryClass.EXACT
+    # a list that is not the recorded history is no promise: compared as usual
+    changed = [{"role": "user", "content": "other"}, *msgs[1:]]
+    assert det.inspect(changed, known_prefix=[USER1]).history is HistoryClass.HISTORY_REWRITTEN
