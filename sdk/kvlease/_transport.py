@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from kvlease import protocol
 from kvlease._core import CID_KEY, REQUEST_HEADERS, Pending, Tracker, auth_headers
 from kvlease._http import header_values, hx
+from kvlease._observe import ResponseObserver
 
 __all__ = ["AsyncKVTransport", "KVTransport"]
 
@@ -63,6 +64,20 @@ def _finish(tracker: Tracker, pending: Pending, *, complete: bool) -> None:
         log.exception("kvlease: recording a turn failed")
 
 
+def _feed(pending: Pending, observer: ResponseObserver, chunk: bytes) -> Callable[[bytes], None] | None:
+    """Feed a chunk read before the first token to ``observer``. Returns what takes each later chunk
+    (the observer's sink once the first token is known), or None while the observer still wants them;
+    a chunk it cannot read detaches it from the turn and later chunks are ignored."""
+    try:
+        observer.feed(chunk, _perf())
+    except Exception:
+        log.debug("kvlease: could not read a response chunk", exc_info=True)
+        pending.observer = None
+        return _ignore
+    sink = observer.sink
+    return None if sink is None else sink.append
+
+
 class _ObservedStream(hx.SyncByteStream):
     """The body of a tracked response: the inner client's stream, observed as the caller reads it."""
 
@@ -83,14 +98,7 @@ class _ObservedStream(hx.SyncByteStream):
             if keep is not None:
                 keep(chunk)
             else:
-                try:
-                    observer.feed(chunk, _perf())
-                    if observer.sink is not None:
-                        keep = observer.sink.append
-                except Exception:
-                    log.debug("kvlease: could not read a response chunk", exc_info=True)
-                    self._pending.observer = None
-                    keep = _ignore
+                keep = _feed(self._pending, observer, chunk)
             yield chunk
         _finish(self._tracker, self._pending, complete=True)
 
@@ -120,13 +128,7 @@ class _AsyncObservedStream(hx.AsyncByteStream):
             if keep is not None:
                 keep(chunk)
             else:
-                try:
-                    observer.feed(chunk, _perf())
-                    if observer.sink is not None:
-                        keep = observer.sink.append
-                except Exception:
-                    log.debug("kvlease: could not read a response chunk", exc_info=True)
-                    keep = _ignore
+                keep = _feed(self._pending, observer, chunk)
             yield chunk
         _finish(self._tracker, self._pending, complete=True)
 
