@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,6 +87,24 @@ def assistant_text(result: Any, stream: bool) -> str:
 
 
 ClusterFactory = Callable[..., Awaitable[Cluster]]
+
+
+@contextlib.asynccontextmanager
+async def one_route_upstream(
+    path: str, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> AsyncIterator[str]:
+    """A stand-in upstream on 127.0.0.1 answering POST ``path`` with ``handler``; yields its URL."""
+    app = web.Application()
+    app.router.add_post(path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
 
 
 @pytest.fixture

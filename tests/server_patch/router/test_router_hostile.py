@@ -8,7 +8,7 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
-from conftest import Cluster, ClusterFactory, assistant_text
+from conftest import Cluster, ClusterFactory, assistant_text, one_route_upstream
 
 from kvlease.protocol import CONVERSATIONS_PATH, HEADER_STATUS, KV, KV_TRANSFER_PARAMS, RENEW_PATH
 from kvlease_vllm.testing import FakeConfig
@@ -144,21 +144,12 @@ async def test_sse_split_across_reads_is_still_stripped(make_cluster: ClusterFac
         assert body["stream"] is True
         return resp
 
-    app = web.Application()
-    app.router.add_post(CHAT, dribble)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        cluster.router.upstreams.decode.nodes[0].url = f"http://127.0.0.1:{port}"
+    async with one_route_upstream(CHAT, dribble) as url:
+        cluster.router.upstreams.decode.nodes[0].url = url
         r, events = await cluster.chat([{"role": "user", "content": "x"}], cid="dribble", stream=True)
         assert r.status == 200 and events[-1] == "[DONE]"
         assert events[0]["choices"][0]["delta"]["content"] == "hi"
         assert all(KV_TRANSFER_PARAMS not in e for e in events if isinstance(e, dict))
-    finally:
-        await runner.cleanup()
 
 
 async def test_client_disconnect_mid_stream_closes_upstream(make_cluster: ClusterFactory) -> None:

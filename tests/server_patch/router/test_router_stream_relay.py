@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 import pytest
 from aiohttp import web
-from conftest import Cluster, ClusterFactory, assistant_text, parse_body
+from conftest import Cluster, ClusterFactory, assistant_text, one_route_upstream, parse_body
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -223,16 +223,9 @@ async def test_a_compressed_upstream_answer_is_a_502_not_a_leak(
             body=gzip.compress(payload), headers={"Content-Encoding": "gzip", "Content-Type": content_type}
         )
 
-    app = web.Application()
-    app.router.add_post(CHAT, gzipping)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
+    async with one_route_upstream(CHAT, gzipping) as url:
         pool = cluster.router.upstreams.prefill if role == "prefill" else cluster.router.upstreams.decode
-        pool.nodes[0].url = f"http://127.0.0.1:{port}"
+        pool.nodes[0].url = url
         payload = {"model": "fake-model", "messages": [{"role": "user", "content": "x"}], "stream": stream}
         async with cluster.client.post(
             cluster.url + CHAT, json=payload, headers={"X-Conversation-Id": "gz"}, auto_decompress=False
@@ -242,8 +235,6 @@ async def test_a_compressed_upstream_answer_is_a_502_not_a_leak(
         assert "Content-Encoding" not in resp.headers
         for body in (raw, gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw):
             assert NEEDLE not in body and b"secret-engine" not in body
-    finally:
-        await runner.cleanup()
 
 
 # ---- Nagle: every socket the router writes small events or requests on has TCP_NODELAY ----------
