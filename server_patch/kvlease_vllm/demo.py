@@ -78,6 +78,9 @@ TOOLS: list[dict[str, Any]] = [
 ]
 
 
+TOOL_NAMES: tuple[str, ...] = tuple(t["function"]["name"] for t in TOOLS)
+
+
 def tool_call_regex(name: str) -> str:
     """A Hermes-style call of tool ``name`` on one of the test files, as a regex: the demo model has
     random weights, so structured outputs shape its answer into a well-formed call, which vLLM's
@@ -207,7 +210,7 @@ def _create(
     headers: dict[str, str],
 ) -> Any:
     """One streamed turn through the wrapped client."""
-    calls_tool = action in ("read_file", "run_tests")
+    calls_tool = action in TOOL_NAMES
     if calls_tool:
         extra = {**extra, "structured_outputs": {"regex": tool_call_regex(action)}}
     elif action == "think":
