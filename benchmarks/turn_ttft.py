@@ -11,7 +11,11 @@ measured. Arms:
   edit verify; kvlease pulls those and recomputes the rest.
 
 Each configuration runs with P's prefix cache off and on; figures are medians of ``n`` conversations,
-every conversation with its own ``cache_salt``. Run: ``python benchmarks/turn_ttft.py [--quick]``.
+every conversation with its own ``cache_salt``. A pull takes a few hundred ms here and varies by tens
+of percent from one conversation to the next, so with P's prefix cache off (the case the comparison
+with upstream is about) the pull arm gets ``n_pull`` conversations (extra pull-only conversations),
+and the result reports kvlease's pull median against upstream's per size, with every sample kept.
+Run: ``python benchmarks/turn_ttft.py [--quick]``.
 """
 
 from __future__ import annotations
@@ -98,18 +102,39 @@ def _trial(
     return out
 
 
-def measure(spec: StackSpec, sizes: tuple[int, ...], n: int, seed: int = 0) -> dict[int, dict[str, float]]:
-    """Median P time (ms) per history size and arm for one stack configuration."""
+def _pull_only(http: httpx.Client, stack: Stack, size: int, rng: random.Random) -> float:
+    """One more conversation for the pull arm alone: turn 1, then turn 2 on P with D's handle."""
+    prompt1 = [rng.randrange(200, 4000) for _ in range(size)]
+    new = [rng.randrange(200, 4000) for _ in range(NEW_TURN)]
+    gen1, handle = _turn1(http, stack, prompt1, salt := uuid.uuid4().hex)
+    return _p_time(http, stack, prompt1 + gen1 + new, handle, salt)
+
+
+def measure(
+    spec: StackSpec,
+    sizes: tuple[int, ...],
+    n: int,
+    n_pull: int,
+    seed: int = 0,
+    samples_out: dict[int, dict[str, list[float]]] | None = None,
+) -> dict[int, dict[str, float]]:
+    """Median P time (ms) per history size and arm for one stack configuration; every sample (ms)
+    goes to ``samples_out`` when given."""
     rng = random.Random(seed)
     results: dict[int, dict[str, float]] = {}
     with Stack.start(spec, timeout=900) as stack, httpx.Client(timeout=TIMEOUT) as http:
         _trial(http, stack, sizes[0], rng, spec.connector == "kvlease")  # warm-up, not timed
         for size in sizes:
+            _pull_only(http, stack, size, rng)  # first use of this length, not timed
             samples: dict[str, list[float]] = {}
             for _ in range(n):
                 for arm, t in _trial(http, stack, size, rng, spec.connector == "kvlease").items():
                     samples.setdefault(arm, []).append(t)
+            for _ in range(n_pull - n):
+                samples["pull"].append(_pull_only(http, stack, size, rng))
             results[size] = {arm: statistics.median(v) * 1e3 for arm, v in samples.items()}
+            if samples_out is not None:
+                samples_out[size] = {arm: [round(t * 1e3, 1) for t in v] for arm, v in samples.items()}
             print(
                 f"  {spec.connector:8s} prefix_cache={spec.prefix_caching!s:5s} {size:5d} tokens: "
                 + ", ".join(f"{a} {m:.0f} ms" for a, m in results[size].items()),
@@ -121,9 +146,16 @@ def measure(spec: StackSpec, sizes: tuple[int, ...], n: int, seed: int = 0) -> d
 def run(quick: bool = False) -> dict[str, Any]:
     """Run the benchmark; returns ``{"<connector>/prefix_cache=<on|off>": {size: {arm: ms}}}``."""
     sizes = (1024, 2048) if quick else (1024, 2048, 3584)
-    n = 5
+    n, n_pull_off = 5, (7 if quick else 11)
     prefix_modes = (False,) if quick else (False, True)
-    out: dict[str, Any] = {"sizes": sizes, "n": n, "model": "small", "results": {}}
+    out: dict[str, Any] = {
+        "sizes": sizes,
+        "n": n,
+        "n_pull_prefix_cache_off": n_pull_off,
+        "model": "small",
+        "results": {},
+        "samples_ms": {},
+    }
     for prefix in prefix_modes:
         for connector in ("kvlease", "nixl"):
             spec = StackSpec(
@@ -134,7 +166,25 @@ def run(quick: bool = False) -> dict[str, Any]:
                 dtype=default_dtype(),
             )
             key = f"{connector}/prefix_cache={'on' if prefix else 'off'}"
-            out["results"][key] = measure(spec, sizes, n)
+            samples = out["samples_ms"][key] = {}
+            out["results"][key] = measure(spec, sizes, n, n if prefix else n_pull_off, samples_out=samples)
+    out["pull_vs_upstream"] = pull_vs_upstream(out["results"])
+    return out
+
+
+def pull_vs_upstream(results: dict[str, Any]) -> dict[str, Any]:
+    """kvlease's median pull time over upstream's, per prefix-cache mode and size (goal: <= 1.10)."""
+    out: dict[str, Any] = {}
+    for mode in ("off", "on"):
+        ours, theirs = results.get(f"kvlease/prefix_cache={mode}"), results.get(f"nixl/prefix_cache={mode}")
+        if not ours or not theirs:
+            continue
+        out[f"prefix_cache={mode}"] = {
+            size: round(ours[size]["pull"] / theirs[size]["pull"], 3) for size in ours if size in theirs
+        }
+    ratios = [r for by_size in out.values() for r in by_size.values()]
+    out["goal"] = "kvlease pull within 10 % of upstream's (ratio <= 1.10)"
+    out["goal_met"] = bool(ratios) and max(ratios) <= 1.10
     return out
 
 
@@ -149,6 +199,12 @@ def table(result: dict[str, Any]) -> str:
             lines.append(
                 f"{key:28s} {size:8d} {rec:10.0f} {pull:8.0f} "
                 f"{(f'{edited:8.0f}' if edited is not None else '       -')} {rec / pull:7.1f}x"
+            )
+    for mode, by_size in result.get("pull_vs_upstream", {}).items():
+        if isinstance(by_size, dict):
+            lines.append(
+                f"kvlease pull / upstream pull, {mode}: "
+                + ", ".join(f"{size}: {ratio:.2f}" for size, ratio in by_size.items())
             )
     return "\n".join(lines)
 
