@@ -41,7 +41,10 @@ import enum
 import json
 import math
 import re
+from array import array
 from collections.abc import Callable, Iterator
+from itertools import repeat
+from operator import itemgetter
 from pathlib import Path
 from typing import IO, Any, Final
 
@@ -54,14 +57,19 @@ try:  # orjson parses a short JSON line 2-3x faster; json is the fallback
 
     _loads: Callable[[bytes], Any] = orjson.loads
     JSON_BACKEND: Final = "orjson"
+    _NUL_SENSITIVE = False
 except ImportError:  # pragma: no cover - exercised only without the [server]/[dev] extras
     _loads = json.loads
     JSON_BACKEND = "json"  # type: ignore[misc]
+    # json.loads(bytes) guesses UTF-16/32 from NUL bytes and the length: parse a line that has NUL
+    # bytes with its newline, as it was read before lines were split in chunks
+    _NUL_SENSITIVE = True
 
 MOONCAKE_BLOCK_SIZE: Final = 512
 MALFORMED_EXAMPLES: Final = 20
 PROGRESS_STEP: Final = 1 << 22  # report progress every 4 MiB
 _CHUNK: Final = 1 << 20
+_LINES_CHUNK: Final = 1 << 16  # bytes of JSON lines parsed and checked at a time
 _MAX_ELEMENT: Final = 64 << 20  # characters one JSON array element may span
 _WS: Final = re.compile(r"[ \t\r\n]*")
 _TURNLOG_ONLY: Final = frozenset(TURN_LOG_FIELDS) - {
@@ -186,65 +194,146 @@ def _number(v: object, name: str) -> float:
 # -------------------------------------------------------------------------------------------------
 
 
-def _iter_requests(
-    f: IO[bytes], rd: _Read, progress: Progress | None, turnlog: bool, an: Analyzer
+def _split_lines(f: IO[bytes], nbytes: list[int]) -> Iterator[tuple[list[bytes], bytes]]:
+    """``(lines, newline)`` about :data:`_LINES_CHUNK` bytes at a time: whole lines without their
+    newline, and ``b"\\n"``, or ``b""`` for a last line that has none. ``nbytes[0]`` counts the
+    bytes read. A line longer than a chunk is joined once, not copied chunk after chunk."""
+    head: list[bytes] = []  # the start of a line that has no newline yet
+    while chunk := f.read(_LINES_CHUNK):
+        nbytes[0] += len(chunk)
+        lines = chunk.split(b"\n")
+        if len(lines) == 1:
+            head.append(chunk)
+            continue
+        if head:
+            head.append(lines[0])
+            lines[0] = b"".join(head)
+            head.clear()
+        tail = lines.pop()
+        if tail:
+            head.append(tail)
+        yield lines, b"\n"
+    if head:
+        yield [b"".join(head)], b""
+
+
+_get_cid: Final = itemgetter("conversation_id")
+_get_ts: Final = itemgetter("ts")
+_get_prompt: Final = itemgetter("prompt_tokens")
+_get_completion: Final = itemgetter("completion_tokens")
+_NONE: Final = type(None)
+
+
+def _request_columns(lines: list[bytes]) -> tuple[list[Any], list[Any], list[Any], list[Any]] | None:
+    """Conversation ids, timestamps, prompt and completion tokens of request lines, when every line
+    is a valid request (the per-line checks of :func:`_request_lines`, on whole columns); else
+    ``None``, and :func:`_request_lines` reads the lines one by one and reports the bad ones."""
+    try:
+        objs = list(map(_loads, lines))
+        cids = list(map(_get_cid, objs))  # KeyError, or TypeError for what is not an object
+        tss = list(map(_get_ts, objs))
+        ps = list(map(_get_prompt, objs))
+        try:
+            cs = list(map(_get_completion, objs))
+        except KeyError:
+            cs = list(map(dict.get, objs, repeat("completion_tokens")))
+        "".join(cids)  # TypeError unless every id is a string
+        if not all(cids) or not math.isfinite(sum(tss)):  # sum: TypeError unless numbers
+            return None
+        data = b"\n".join(lines)
+        if b"true" in data or b"false" in data:  # a bool passes for an int: check the types
+            if not set(map(type, tss)) <= {float, int} or set(map(type, ps)) != {int}:
+                return None
+            if not set(map(type, cs)) <= {int, _NONE}:
+                return None
+        array("Q", ps)  # TypeError or OverflowError unless every count is an int >= 0
+        try:
+            array("Q", cs)
+        except TypeError:
+            array("Q", [c for c in cs if c is not None])
+    except (ValueError, KeyError, TypeError, OverflowError):
+        return None
+    return cids, tss, ps, cs
+
+
+def _request_lines(
+    lines: list[bytes], newline: bytes, first: int, rd: _Read, turnlog: bool, an: Analyzer
 ) -> Iterator[TurnInput]:
-    """The hot loop for ``requests`` and ``turnlog`` lines."""
+    """The turns of ``requests`` or ``turnlog`` lines, one line at a time; ``first`` is the number
+    of the first line. Malformed lines are reported to ``rd``."""
     loads = _loads
     observe = an.observe_status
     isfinite = math.isfinite
-    lineno = records = nbytes = 0
+    lineno = first - 1
+    for line in lines:
+        lineno += 1
+        try:
+            if _NUL_SENSITIVE and b"\x00" in line:
+                line += newline  # json detects UTF-16/32 from NUL bytes and the length: keep it exact
+            obj = loads(line)
+        except ValueError:
+            if line.strip():
+                rd.add(lineno, "not valid JSON")
+            continue
+        if type(obj) is not dict:
+            rd.add(lineno, "not a JSON object")
+            continue
+        cid = obj.get("conversation_id")
+        ts = obj.get("ts")
+        p = obj.get("prompt_tokens")
+        c = obj.get("completion_tokens")
+        if type(cid) is not str or not cid:
+            rd.add(lineno, f"conversation_id must be a non-empty string, got {cid!r}")
+            continue
+        if (type(ts) is not float and type(ts) is not int) or not isfinite(ts):
+            rd.add(lineno, f"ts must be a finite number of seconds, got {ts!r}")
+            continue
+        gap = None
+        try:
+            if type(p) is not int or p < 0:
+                p = _count(p, "prompt_tokens", optional=turnlog)
+            if c is not None and (type(c) is not int or c < 0):
+                c = _count(c, "completion_tokens", optional=True)
+            if turnlog:
+                gap = obj.get("gap_s")
+                if gap is not None:
+                    gap = _number(gap, "gap_s")
+                status = obj.get("status")
+                reused = obj.get("reused_tokens")
+                if status is not None or reused is not None:
+                    observe(
+                        status if isinstance(status, str) else None,
+                        _count(reused, "reused_tokens", optional=True),
+                    )
+        except ValueError as e:
+            rd.add(lineno, str(e))
+            continue
+        rd.records += 1
+        yield cid, ts, p, c, None, gap
+
+
+def _read_requests(f: IO[bytes], rd: _Read, progress: Progress | None, turnlog: bool, an: Analyzer) -> None:
+    """The hot path for ``requests`` and ``turnlog``: a chunk of lines at a time, parsed and checked
+    as columns when every line is a plain valid request, else line by line."""
+    nbytes = [0]
+    lineno = 0
     next_progress = PROGRESS_STEP if progress is not None else math.inf
     try:
-        for line in f:
-            lineno += 1
-            nbytes += len(line)
-            if nbytes >= next_progress:
-                progress(nbytes)  # type: ignore[misc]
-                next_progress = nbytes + PROGRESS_STEP
-            try:
-                obj = loads(line)
-            except ValueError:
-                if line.strip():
-                    rd.add(lineno, "not valid JSON")
-                continue
-            if type(obj) is not dict:
-                rd.add(lineno, "not a JSON object")
-                continue
-            cid = obj.get("conversation_id")
-            ts = obj.get("ts")
-            p = obj.get("prompt_tokens")
-            c = obj.get("completion_tokens")
-            if type(cid) is not str or not cid:
-                rd.add(lineno, f"conversation_id must be a non-empty string, got {cid!r}")
-                continue
-            if (type(ts) is not float and type(ts) is not int) or not isfinite(ts):
-                rd.add(lineno, f"ts must be a finite number of seconds, got {ts!r}")
-                continue
-            gap = None
-            try:
-                if type(p) is not int or p < 0:
-                    p = _count(p, "prompt_tokens", optional=turnlog)
-                if c is not None and (type(c) is not int or c < 0):
-                    c = _count(c, "completion_tokens", optional=True)
-                if turnlog:
-                    gap = obj.get("gap_s")
-                    if gap is not None:
-                        gap = _number(gap, "gap_s")
-                    status = obj.get("status")
-                    reused = obj.get("reused_tokens")
-                    if status is not None or reused is not None:
-                        observe(
-                            status if isinstance(status, str) else None,
-                            _count(reused, "reused_tokens", optional=True),
-                        )
-            except ValueError as e:
-                rd.add(lineno, str(e))
-                continue
-            records += 1
-            yield cid, ts, p, c, None, gap
+        for lines, newline in _split_lines(f, nbytes):
+            cols = None
+            if not turnlog and not (_NUL_SENSITIVE and any(b"\x00" in line for line in lines)):
+                cols = _request_columns(lines)
+            if cols is not None:
+                an.add_columns(*cols)
+                rd.records += len(lines)
+            else:
+                an.add_many(_request_lines(lines, newline, lineno + 1, rd, turnlog, an))
+            lineno += len(lines)
+            if nbytes[0] >= next_progress:
+                progress(nbytes[0])  # type: ignore[misc]
+                next_progress = nbytes[0] + PROGRESS_STEP
     finally:
-        rd.lines, rd.records, rd.nbytes = lineno, records, nbytes
+        rd.lines, rd.nbytes = lineno, nbytes[0]
 
 
 Converter = Callable[[object], TurnInput]  # raises ValueError with a message for a malformed record
@@ -469,16 +558,14 @@ def read_into(
     :class:`MalformedInputError` in strict mode."""
     fmt = detect_format(path) if fmt is None else InputFormat(fmt)
     rd = _Read(strict)
-    turns: Iterator[TurnInput]
     with open(path, "rb", buffering=_CHUNK) as f:
         if fmt in (InputFormat.REQUESTS, InputFormat.TURN_LOG):
-            turns = _iter_requests(f, rd, progress, fmt is InputFormat.TURN_LOG, an)
+            _read_requests(f, rd, progress, fmt is InputFormat.TURN_LOG, an)
         elif fmt is InputFormat.VLLM and _starts_array(path):
-            turns = _iter_array(f, _vllm_record, rd, progress)
+            an.add_many(_iter_array(f, _vllm_record, rd, progress))
         else:
             convert = _vllm_record if fmt is InputFormat.VLLM else _mooncake_converter(mooncake_block_size)
-            turns = _iter_jsonl(f, convert, rd, progress)
-        an.add_many(turns)
+            an.add_many(_iter_jsonl(f, convert, rd, progress))
     if progress is not None:
         progress(rd.nbytes)
     return InputSummary(

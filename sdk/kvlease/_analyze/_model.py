@@ -1,12 +1,13 @@
 """The analyzer's core: per-conversation state and the figures, sans-IO.
 
-:class:`Analyzer` takes turns one at a time (``add``) in any order and returns an
-:class:`AnalysisReport`. It never reads files or clocks; the readers in ``_formats`` feed it.
+:class:`Analyzer` takes turns one at a time (``add``), or many (``add_many``, ``add_columns``), in
+any order and returns an :class:`AnalysisReport`. It never reads files or clocks; the readers in
+``_formats`` feed it.
 
-Memory is bounded by the per-conversation state: for each conversation, its last finalised turn and
-at most ``reorder_window`` pending turns. Everything else is a fixed-size aggregate (sums, a
-log-binned gap histogram, per-turn-index sums up to :data:`MAX_TURN_INDEX`, and the first
-:data:`EXACT_GAPS_LIMIT` gaps kept exactly so that small inputs get exact percentiles).
+Memory is bounded by the per-conversation state: for each conversation, its last
+``reorder_window + 1`` turns. Everything else is a fixed-size aggregate (sums, a log-binned gap
+histogram, per-turn-index sums up to :data:`MAX_TURN_INDEX`, and the first :data:`EXACT_GAPS_LIMIT`
+gaps kept exactly so that small inputs get exact percentiles).
 
 Definitions (one *follow-up turn* is every turn of a conversation after its first, in timestamp
 order; ``prev`` is the turn before it):
@@ -28,12 +29,11 @@ from __future__ import annotations
 
 import math
 from array import array
-from bisect import insort
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
-from operator import itemgetter
-from typing import Final
+from itertools import repeat
+from typing import Any, Final
 
 from kvlease._analyze._types import AnalysisReport, InputSummary, TurnIndexFigures, ratio
 
@@ -57,7 +57,14 @@ _HIST_BINS: Final = _HIST_DECADES * _HIST_PER_DECADE + 2
 #: One turn as the readers give it: (conversation id, start ts, prompt tokens, completion tokens,
 #: end ts, measured gap); ``None`` means unknown.
 TurnInput = tuple[str, float, "int | None", "int | None", "float | None", "float | None"]
-_ts = itemgetter(1)
+
+# A conversation's state is one flat list, no object per turn: [turns, finalised, then its latest
+# turns newest first, as records of _F fields: ts, prompt, completion, end, gap]. ``turns`` counts the
+# turns placed (it is the index of the newest); ``finalised`` says whether the oldest record is the
+# conversation's last *finalised* turn (one that left the reorder window: older turns are late).
+_F: Final = 5
+_REC: Final = 2
+Record = tuple[float, "int | None", "int | None", "float | None", "float | None"]
 
 
 class GapHistogram:
@@ -66,7 +73,7 @@ class GapHistogram:
     __slots__ = ("counts", "total")
 
     def __init__(self) -> None:
-        self.counts = array("q", bytes(8 * _HIST_BINS))
+        self.counts = [0] * _HIST_BINS
         self.total = 0
 
     @staticmethod
@@ -88,6 +95,27 @@ class GapHistogram:
     def add(self, gap: float) -> None:
         self.counts[self.index(gap)] += 1
         self.total += 1
+
+    def add_many(self, gaps: Iterable[float]) -> None:
+        """``add`` each gap (one loop, the bin formula inlined)."""
+        counts = self.counts
+        log10 = math.log10
+        trunc = float.__trunc__
+        log_min, per_decade, last_bin = float(_HIST_LOG_MIN), float(_HIST_PER_DECADE), _HIST_BINS - 1
+        n = 0
+        for gap in gaps:
+            n += 1
+            if gap < _HIST_MIN:
+                counts[0] += 1
+            else:
+                i = trunc((log10(gap) - log_min) * per_decade) + 1
+                counts[i if i < last_bin else last_bin] += 1
+        self.total += n
+
+    def remove(self, gap: float) -> None:
+        """Take back one ``add(gap)``."""
+        self.counts[self.index(gap)] -= 1
+        self.total -= 1
 
     def percentile(self, q: float) -> float | None:
         """The ``q`` quantile (0..1): the geometric middle of the bin holding rank ``q * (n - 1)``."""
@@ -119,22 +147,19 @@ def exact_percentile(sorted_values: list[float], q: float) -> float | None:
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
-class _Conv:
-    __slots__ = ("last", "n", "pending")
-
-    def __init__(self) -> None:
-        self.last: TurnInput | None = None
-        self.n = 0  # finalised turns
-        self.pending: list[TurnInput] = []
-
-
 class Analyzer:
     """Accumulates turns and computes an :class:`AnalysisReport`.
 
-    Turns may come in any order: each conversation keeps up to ``reorder_window`` turns pending,
-    sorted by timestamp (equal timestamps keep input order), and a turn is paired with its
-    predecessor only when it leaves that window (or at :meth:`report`). A turn older than one
-    already paired is a *late* turn: counted, not paired (raise the window or sort the input).
+    Turns may come in any order: each conversation's turns are placed in timestamp order (equal
+    timestamps keep input order) as long as they arrive within ``reorder_window`` turns of where
+    they belong. A turn older than the conversation's last *finalised* turn (one followed by more
+    than ``reorder_window`` newer turns, or any turn before :meth:`flush`) is a *late* turn:
+    counted, not paired (raise the window or sort the input).
+
+    Each turn is paired with its predecessor when it arrives; a turn that arrives out of order is
+    inserted and the pairs after it are redone (the figures are sums and counts, so a pair is taken
+    back by subtracting it). The result is the same as pairing each turn only once it leaves the
+    window, in timestamp order.
     """
 
     def __init__(
@@ -152,18 +177,22 @@ class Analyzer:
         self.ttl = float(ttl)
         self.max_idle = float(max_idle)
         self.window = reorder_window
-        self._convs: dict[str, _Conv] = {}
+        self._convs: dict[str, list[Any]] = {}
         self._turns = 0
         self._late = 0
         self._t_min = math.inf
         self._t_max = -math.inf
-        # over follow-up turns: follow, token_turns, completion_known, prompt, lower, estimate,
-        # within_ttl, beyond_ttl, recovered, saved_fixed_ttl, saved_leases
-        self._acc = [0] * 11
+        # follow-up turns with ttl < gap <= max_idle, and beyond max_idle (the rest are within the TTL);
+        # the estimate's repeated tokens of the token turns with gap <= ttl, and in (ttl, max_idle];
+        # token turns whose previous response's size is unknown
+        self._acc = [0, 0, 0, 0, 0]  # recovered, idle, saved_ttl, saved_recovered, c_unknown
         self._hist = GapHistogram()
         self._exact: array[float] | None = array("d")
+        self._exact_out: list[float] = []  # gaps taken back while they are kept exactly
         n_idx = MAX_TURN_INDEX + 1
-        self._idx = ([0] * n_idx, [0] * n_idx, [0] * n_idx, [0] * n_idx)  # turns, prompt, lower, est
+        # per turn index: follow-up turns that are not token turns; over token turns: prompt, lower
+        # bound, estimate (the totals are sums; the token turns are the conversations' turns less these)
+        self._idx = ([0] * n_idx, [0] * n_idx, [0] * n_idx, [0] * n_idx)
         self._statuses: Counter[str] = Counter()
         self._reused = 0
 
@@ -182,7 +211,27 @@ class Analyzer:
 
     def add_many(self, turns: Iterable[TurnInput]) -> None:
         """Many turns (the fast path: one tight loop over an iterator of :data:`TurnInput`)."""
-        self._turns += self._consume(turns, self.window)
+        self._turns += self._consume(turns, True)
+
+    def add_columns(
+        self,
+        conversation_ids: Sequence[str],
+        ts: Sequence[float],
+        prompt_tokens: Sequence[int | None],
+        completion_tokens: Sequence[int | None],
+    ) -> None:
+        """Turns without end times or measured gaps, as four equally long columns: the same as
+        ``add_many`` over the rows (the readers' fastest path)."""
+        if not ts:
+            return
+        lo, hi = min(ts), max(ts)
+        if lo < self._t_min:
+            self._t_min = lo
+        if hi > self._t_max:
+            self._t_max = hi
+        rows = zip(conversation_ids, ts, prompt_tokens, completion_tokens, repeat(None), repeat(None))
+        self._consume(rows, False)
+        self._turns += len(ts)
 
     def observe_status(self, status: str | None, reused_tokens: int | None) -> None:
         """Reuse outcome the router reported for one turn (SDK turn log only)."""
@@ -192,129 +241,242 @@ class Analyzer:
             self._reused += reused_tokens
 
     def flush(self) -> None:
-        """Pair every pending turn (:meth:`report` does it)."""
+        """Finalise every conversation's turns (:meth:`report` does it): from now on a turn older
+        than its conversation's latest one is late."""
+        newest = _REC + _F
+        for st in self._convs.values():
+            if len(st) > newest:
+                del st[newest:]
+            st[1] = True
 
-        def drain() -> Iterator[TurnInput]:
-            for conv in self._convs.values():
-                if conv.pending:
-                    pending = conv.pending
-                    conv.pending = []
-                    yield from pending
-
-        self._consume(drain(), 0)
-
-    def _consume(self, turns: Iterable[TurnInput], window: int) -> int:
-        """Place each turn in its conversation's window; when one leaves the window (in timestamp
-        order), pair it with the conversation's previous turn and add the pair to the figures.
-        One loop, locals only: this is the analyzer's hot path. Returns the number of turns."""
+    def _consume(self, turns: Iterable[TurnInput], span: bool) -> int:
+        """Pair each turn with its conversation's latest one and place it first; hand a turn that
+        is older than the latest to :meth:`_insert`. One loop, locals only: this is the analyzer's
+        hot path. ``span``: count the turns and track the time span here (``add_columns`` does both
+        on whole columns). Returns the number of turns counted."""
         convs = self._convs
         get = convs.get
+        window = self.window
+        full = _REC + _F * (window + 1)  # the last finalised turn and ``window`` pending ones
+        pending_max = _REC + _F * window
+        first_finalised = window == 0
         t_min, t_max = self._t_min, self._t_max
-        n_turns = late = hist_added = 0
+        n_turns = late = 0
         ttl, max_idle = self.ttl, self.max_idle
-        (follow, token_turns, c_known, prompt, lower, est_sum, within, beyond, recovered, saved_ttl,
-         saved_lease) = self._acc  # fmt: skip
+        recovered, idle, saved_ttl, saved_recovered, c_unknown = self._acc
         exact = self._exact
-        hist = self._hist
-        counts = hist.counts
+        exact_limit = EXACT_GAPS_LIMIT + len(self._exact_out)
+        counts = self._hist.counts
         log10 = math.log10
-        idx_turns, idx_prompt, idx_lower, idx_est = self._idx
+        trunc = float.__trunc__  # what int() does with a float, without int()'s dispatch
+        # as floats: the same values as the int constants in the bin formula, and faster arithmetic
+        hist_min, log_min, per_decade = _HIST_MIN, float(_HIST_LOG_MIN), float(_HIST_PER_DECADE)
+        last_bin = _HIST_BINS - 1
+        idx_other, idx_prompt, idx_lower, idx_est = self._idx
         top = MAX_TURN_INDEX
         try:
-            for turn in turns:
-                n_turns += 1
-                ts = turn[1]
-                end = turn[4]
-                if ts < t_min:
-                    t_min = ts
-                if end is not None and end > ts:
-                    if end > t_max:
-                        t_max = end
-                elif ts > t_max:
-                    t_max = ts
-                conv = get(turn[0])
-                if conv is None:
-                    conv = convs[turn[0]] = _Conv()
-                prev = conv.last
-                if prev is not None and ts < prev[1]:
-                    late += 1
+            for cid, ts, p, c, end, gap in turns:
+                if span:
+                    n_turns += 1
+                    if ts < t_min:
+                        t_min = ts
+                    if end is not None and end > ts:
+                        if end > t_max:
+                            t_max = end
+                    elif ts > t_max:
+                        t_max = ts
+                st = get(cid)
+                if st is None:
+                    convs[cid] = [1, first_finalised, ts, p, c, end, gap]
                     continue
-                if window:
-                    pending = conv.pending
-                    if pending and ts < pending[-1][1]:
-                        insort(pending, turn, key=_ts)
-                    else:
-                        pending.append(turn)
-                    if len(pending) <= window:
-                        continue
-                    turn = pending.pop(0)
-                    ts = turn[1]
-                # ---- pair ``turn`` with ``prev`` ----
-                conv.last = turn
-                n = conv.n = conv.n + 1
-                if prev is None:
+                pts = st[2]
+                if ts < pts:  # older than the latest turn: late, or inserted among the latest ones
+                    self._acc = [recovered, idle, saved_ttl, saved_recovered, c_unknown]
+                    self._exact = exact
+                    late += self._insert(st, (ts, p, c, end, gap))
+                    recovered, idle, saved_ttl, saved_recovered, c_unknown = self._acc
+                    exact = self._exact
+                    exact_limit = EXACT_GAPS_LIMIT + len(self._exact_out)
                     continue
-                follow += 1
-                _, _, p, _, _, gap = turn
+                pp = st[3]
+                pc = st[4]
+                pend = st[5]
+                st[2:2] = (ts, p, c, end, gap)
+                k = len(st)
+                if k > full:
+                    del st[-5:]  # the last finalised turn; the oldest pending one takes its place
+                elif k > pending_max:
+                    st[1] = True
+                n = st[0] + 1
+                st[0] = n
+                # ---- the pair (latest, turn) ----
                 if gap is None:
-                    prev_end = prev[4]
-                    gap = ts - (prev[1] if prev_end is None else prev_end)
+                    gap = ts - (pts if pend is None else pend)
                 if gap < 0.0:
                     gap = 0.0
                 if exact is not None:
                     exact.append(gap)
-                    if len(exact) > EXACT_GAPS_LIMIT:
-                        for g in exact:
-                            hist.add(g)
+                    if len(exact) > exact_limit:
+                        self._exact = exact
+                        self._to_histogram()
                         exact = None
+                elif gap < hist_min:
+                    counts[0] += 1
                 else:
-                    if gap < _HIST_MIN:
-                        i = 0
-                    else:
-                        i = int((log10(gap) - _HIST_LOG_MIN) * _HIST_PER_DECADE) + 1
-                        if i >= _HIST_BINS:
-                            i = _HIST_BINS - 1
-                    counts[i] += 1
-                    hist_added += 1
-                if gap <= ttl:
-                    within += 1
-                else:
-                    beyond += 1
-                    if gap <= max_idle:
-                        recovered += 1
-                pp = prev[2]
+                    i = trunc((log10(gap) - log_min) * per_decade) + 1
+                    counts[i if i < last_bin else last_bin] += 1
+                i = n if n < top else top
                 if p is None or pp is None:
+                    idx_other[i] += 1
+                    if gap <= ttl:
+                        pass
+                    elif gap <= max_idle:
+                        recovered += 1
+                    else:
+                        idle += 1
                     continue
-                token_turns += 1
-                prompt += p
                 low = pp if pp < p else p
-                lower += low
-                pc = prev[3]
                 if pc is None:
+                    c_unknown += 1
                     est = low
                 else:
-                    c_known += 1
                     est = pp + pc
                     if est > p:
                         est = p
-                est_sum += est
-                if gap <= max_idle:
-                    saved_lease += est
-                    if gap <= ttl:
-                        saved_ttl += est
-                i = n if n < top else top
-                idx_turns[i] += 1
+                if gap <= ttl:
+                    saved_ttl += est
+                elif gap <= max_idle:
+                    recovered += 1
+                    saved_recovered += est
+                else:
+                    idle += 1
                 idx_prompt[i] += p
                 idx_lower[i] += low
                 idx_est[i] += est
         finally:
-            self._acc = [follow, token_turns, c_known, prompt, lower, est_sum, within, beyond, recovered,
-                         saved_ttl, saved_lease]  # fmt: skip
+            self._acc = [recovered, idle, saved_ttl, saved_recovered, c_unknown]
             self._exact = exact
-            hist.total += hist_added
             self._late += late
             self._t_min, self._t_max = t_min, t_max
         return n_turns
+
+    def _insert(self, st: list[Any], turn: Record) -> int:
+        """A turn older than its conversation's latest: 1 if it is late, else place it in timestamp
+        order (after equal timestamps): the pair it falls into is taken back and replaced by two,
+        and the pairs after it move up one turn index."""
+        ts = turn[0]
+        if st[1] and ts < st[-5]:
+            return 1
+        recs: list[Record] = [tuple(st[b : b + _F]) for b in range(len(st) - _F, _REC - 1, -_F)]
+        x = len(recs)
+        while x and ts < recs[x - 1][0]:  # bisect_right: after equal timestamps
+            x -= 1
+        first = st[0] - len(recs) + 1  # turn index of the oldest record
+        for y in range(x + 1, len(recs)):
+            self._move(recs[y - 1], recs[y], first + y)
+        # x >= 1 when the oldest record is finalised; if it is not, nothing was ever dropped, the
+        # oldest record is the conversation's first turn and the new one comes before it
+        if x:
+            self._pair(recs[x - 1], recs[x], first + x, -1)
+            self._pair(recs[x - 1], turn, first + x, 1)
+        self._pair(turn, recs[x], first + x + 1, 1)
+        recs.insert(x, turn)
+        st[0] += 1
+        if len(recs) > self.window + 1:
+            del recs[0]
+            st[1] = True
+        elif len(recs) > self.window:
+            st[1] = True
+        st[_REC:] = [v for rec in reversed(recs) for v in rec]
+        return 0
+
+    @staticmethod
+    def _tokens(prev: Record, turn: Record) -> tuple[int, int, int] | None:
+        """(prompt, lower bound, estimate) of a token turn, else ``None``: as in :meth:`_consume`."""
+        p, pp, pc = turn[1], prev[1], prev[2]
+        if p is None or pp is None:
+            return None
+        low = pp if pp < p else p
+        if pc is None:
+            return p, low, low
+        est = pp + pc
+        return p, low, (est if est <= p else p)
+
+    def _pair(self, prev: Record, turn: Record, n: int, sign: int) -> None:
+        """Add (``sign`` 1) or take back (-1) the pair (``prev``, ``turn``); ``n`` is the turn index
+        of ``turn``. The same figures as the pairing in :meth:`_consume`."""
+        pts, _, pc, pend, _ = prev
+        ts, _, _, _, gap = turn
+        if gap is None:
+            gap = ts - (pts if pend is None else pend)
+        if gap < 0.0:
+            gap = 0.0
+        if sign < 0:
+            if self._exact is not None:
+                self._exact_out.append(gap)  # subtracted at the report (or when the histogram takes over)
+            else:
+                self._hist.remove(gap)
+        elif self._exact is not None:
+            self._exact.append(gap)
+            if len(self._exact) > EXACT_GAPS_LIMIT + len(self._exact_out):
+                self._to_histogram()
+        else:
+            self._hist.add(gap)
+        tokens = self._tokens(prev, turn)
+        acc = self._acc  # recovered, idle, saved_ttl, saved_recovered, c_unknown
+        if gap <= self.ttl:
+            if tokens is not None:
+                acc[2] += sign * tokens[2]
+        elif gap <= self.max_idle:
+            acc[0] += sign
+            if tokens is not None:
+                acc[3] += sign * tokens[2]
+        else:
+            acc[1] += sign
+        if tokens is not None and pc is None:
+            acc[4] += sign
+        self._index(tokens, n if n < MAX_TURN_INDEX else MAX_TURN_INDEX, sign)
+
+    def _move(self, prev: Record, turn: Record, n: int) -> None:
+        """The pair (``prev``, ``turn``) moves from turn index ``n`` to ``n + 1``."""
+        if n < MAX_TURN_INDEX:
+            tokens = self._tokens(prev, turn)
+            self._index(tokens, n, -1)
+            self._index(tokens, n + 1, 1)
+
+    def _index(self, tokens: tuple[int, int, int] | None, i: int, sign: int) -> None:
+        idx_other, idx_prompt, idx_lower, idx_est = self._idx
+        if tokens is None:
+            idx_other[i] += sign
+        else:
+            idx_prompt[i] += sign * tokens[0]
+            idx_lower[i] += sign * tokens[1]
+            idx_est[i] += sign * tokens[2]
+
+    def _to_histogram(self) -> None:
+        """Too many gaps to keep: bin them, less those taken back, and bin the later ones directly."""
+        assert self._exact is not None
+        self._hist.add_many(self._exact)
+        for gap in self._exact_out:
+            self._hist.remove(gap)
+        self._exact = None
+        self._exact_out.clear()
+
+    def _exact_gaps(self) -> list[float]:
+        """The gaps kept exactly, sorted, less those taken back."""
+        assert self._exact is not None
+        gaps = sorted(self._exact)
+        if not self._exact_out:
+            return gaps
+        out: Counter[float | str] = Counter(g if g == g else "nan" for g in self._exact_out)
+        kept = []
+        for g in gaps:
+            key = g if g == g else "nan"
+            if out[key] > 0:
+                out[key] -= 1
+            else:
+                kept.append(g)
+        return kept
 
     # ---------------------------------------------------------------------------------------------
     def report(self, source: InputSummary | None = None) -> AnalysisReport:
@@ -322,23 +484,34 @@ class Analyzer:
         from kvlease._analyze._recommend import recommend
 
         self.flush()
-        (follow, token_turns, c_known, prompt, lower, est_sum, within, beyond, recovered, saved_ttl,
-         saved_lease) = self._acc  # fmt: skip
         turns = self._turns
+        follow = turns - self._late - len(self._convs)  # every placed turn but each conversation's first
+        recovered, idle, saved_ttl, saved_recovered, c_unknown = self._acc
+        within = follow - recovered - idle
+        beyond = recovered + idle
+        idx_other, idx_prompt, idx_lower, idx_est = self._idx
+        top = MAX_TURN_INDEX
+        idx_turns = [0] * (top + 1)  # follow-up turns per index: a conversation of n turns has 2..n
+        for n, k in Counter(st[0] for st in self._convs.values()).items():
+            for i in range(2, min(n, top - 1) + 1):
+                idx_turns[i] += k
+            if n >= top:
+                idx_turns[top] += k * (n - top + 1)
+        idx_turns = [t - o for t, o in zip(idx_turns, idx_other)]  # token turns
+        token_turns, prompt, lower, est_sum = sum(idx_turns), sum(idx_prompt), sum(idx_lower), sum(idx_est)
+        saved_lease = saved_ttl + saved_recovered
         convs = self._convs.values()
-        beyond_idle = beyond - recovered
         span = float(self._t_max - self._t_min) if turns else 0.0
         hours = span / 3600.0
         hist = self._hist
+        hist.total = follow  # the hot loop counts the bins only
         if self._exact is not None:
-            gaps = sorted(self._exact)
+            gaps = self._exact_gaps()
             p50, p90, p99 = (exact_percentile(gaps, q) for q in (0.5, 0.9, 0.99))
             hist = GapHistogram()
-            for g in gaps:
-                hist.add(g)
+            hist.add_many(gaps)
         else:
             p50, p90, p99 = (hist.percentile(q) for q in (0.5, 0.9, 0.99))
-        idx_turns, idx_prompt, idx_lower, idx_est = self._idx
         per_index = tuple(
             TurnIndexFigures(
                 index=i,
@@ -357,11 +530,11 @@ class Analyzer:
             conversations=len(self._convs),
             turns=turns,
             follow_up_turns=follow,
-            one_turn_conversations=sum(1 for c in convs if c.n == 1),
-            max_turns_in_conversation=max((c.n for c in convs), default=0),
+            one_turn_conversations=sum(1 for st in convs if st[0] == 1),
+            max_turns_in_conversation=max((st[0] for st in convs), default=0),
             late_turns=self._late,
             token_turns=token_turns,
-            completion_known_turns=c_known,
+            completion_known_turns=token_turns - c_unknown,
             prompt_tokens=prompt,
             repeated_tokens_lower_bound=lower,
             repeated_tokens_estimate=est_sum,
@@ -370,10 +543,10 @@ class Analyzer:
             turns_within_ttl=within,
             turns_beyond_ttl=beyond,
             turns_recovered_by_leases=recovered,
-            turns_beyond_max_idle=beyond_idle,
+            turns_beyond_max_idle=idle,
             share_beyond_ttl=ratio(beyond, follow),
             share_recovered_by_leases=ratio(recovered, follow),
-            share_beyond_max_idle=ratio(beyond_idle, follow),
+            share_beyond_max_idle=ratio(idle, follow),
             span_s=span,
             saved_tokens_fixed_ttl=saved_ttl,
             saved_tokens_leases=saved_lease,
