@@ -131,8 +131,13 @@ def _lifespan(router: Router) -> Callable[[web.Application], AsyncIterator[None]
         )
         # The router relays upstream bytes as they come (auto_decompress off) and scans them for
         # handles to strip: it must ask for them uncompressed (aiohttp would offer gzip/deflate).
+        # No cookie jar: one tenant's upstream cookies must not ride on another's requests (and
+        # no per-request cookie filtering).
         router.session = aiohttp.ClientSession(
-            connector=connector, auto_decompress=False, headers={"Accept-Encoding": "identity"}
+            connector=connector,
+            auto_decompress=False,
+            headers={"Accept-Encoding": "identity"},
+            cookie_jar=aiohttp.DummyCookieJar(),
         )
         health: asyncio.Task[None] | None = None
         try:
