@@ -222,6 +222,9 @@ _get_ts: Final = itemgetter("ts")
 _get_prompt: Final = itemgetter("prompt_tokens")
 _get_completion: Final = itemgetter("completion_tokens")
 _NONE: Final = type(None)
+_TS_TYPES: Final = frozenset((float, int))
+_PROMPT_TYPES: Final = frozenset((int,))
+_COMPLETION_TYPES: Final = frozenset((int, _NONE))
 
 
 def _request_columns(lines: list[bytes]) -> tuple[list[Any], list[Any], list[Any], list[Any]] | None:
@@ -240,12 +243,12 @@ def _request_columns(lines: list[bytes]) -> tuple[list[Any], list[Any], list[Any
         "".join(cids)  # TypeError unless every id is a string
         if not all(cids) or not math.isfinite(sum(tss)):  # sum: TypeError unless numbers
             return None
-        data = b"\n".join(lines)
-        if b"true" in data or b"false" in data:  # a bool passes for an int: check the types
-            if not set(map(type, tss)) <= {float, int} or set(map(type, ps)) != {int}:
-                return None
-            if not set(map(type, cs)) <= {int, _NONE}:
-                return None
+        # a bool passes for an int in sum() and array(): check the types (cheaper than searching
+        # the lines for true and false)
+        if not set(map(type, tss)) <= _TS_TYPES or set(map(type, ps)) != _PROMPT_TYPES:
+            return None
+        if not set(map(type, cs)) <= _COMPLETION_TYPES:
+            return None
         array("Q", ps)  # TypeError or OverflowError unless every count is an int >= 0
         try:
             array("Q", cs)
