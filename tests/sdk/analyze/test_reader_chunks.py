@@ -183,6 +183,10 @@ def test_progress_is_monotonic_and_ends_at_the_size(tmp_path: Path) -> None:
     ("value", "column"),
     [
         (True, "ts"),
+        (False, "ts"),
+        (True, "prompt_tokens"),
+        (False, "completion_tokens"),
+        ("1", "completion_tokens"),
         (2.0, "prompt_tokens"),
         (None, "prompt_tokens"),
         (-1, "completion_tokens"),
