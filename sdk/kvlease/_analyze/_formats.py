@@ -1,7 +1,8 @@
 """Streaming readers for the analyzer's input formats, and format auto-detection.
 
-Every reader reads the file in binary, a line (or, for a JSON array, a 1 MiB chunk) at a time, and
-feeds :class:`~kvlease._analyze._model.Analyzer`; nothing holds the whole file.
+Every reader reads the file in binary, a bounded piece at a time (``requests`` and ``turnlog``: the
+whole lines of a 64 KiB chunk; other JSON lines: a line; a JSON array: a 1 MiB chunk), and feeds
+:class:`~kvlease._analyze._model.Analyzer`; nothing holds the whole file.
 
 Formats (``--format``):
 
