@@ -107,7 +107,9 @@ class RouterProc:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+                # bounded, but generous: on a loaded 2-core machine a killed process has taken
+                # over 10 s to be reaped
+                self.proc.wait(60)
 
     def kill(self) -> None:
         """SIGKILL (a crash: nothing is flushed, background tasks are lost)."""
