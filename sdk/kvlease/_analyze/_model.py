@@ -32,6 +32,7 @@ from array import array
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
+from itertools import repeat
 from typing import Any, Final
 
 from kvlease._analyze._types import AnalysisReport, InputSummary, TurnIndexFigures, ratio
@@ -228,7 +229,8 @@ class Analyzer:
             self._t_min = lo
         if hi > self._t_max:
             self._t_max = hi
-        self._consume_columns(conversation_ids, ts, prompt_tokens, completion_tokens)
+        rows = zip(conversation_ids, ts, prompt_tokens, completion_tokens, repeat(None), repeat(None))
+        self._consume(rows, False)
         self._turns += len(ts)
 
     def observe_status(self, status: str | None, reused_tokens: int | None) -> None:
@@ -357,107 +359,6 @@ class Analyzer:
             self._late += late
             self._t_min, self._t_max = t_min, t_max
         return n_turns
-
-    def _consume_columns(
-        self,
-        conversation_ids: Sequence[str],
-        tss: Sequence[float],
-        prompt_tokens: Sequence[int | None],
-        completion_tokens: Sequence[int | None],
-    ) -> None:
-        """:meth:`_consume` for turns without end times or measured gaps (``add_columns``): the same
-        loop with ``end`` and ``gap`` known to be ``None``, and no span or turn count (the caller
-        does both on whole columns). Keep the two loops in step."""
-        convs = self._convs
-        get = convs.get
-        window = self.window
-        full = _REC + _F * (window + 1)
-        pending_max = _REC + _F * window
-        first_finalised = window == 0
-        late = 0
-        ttl, max_idle = self.ttl, self.max_idle
-        recovered, idle, saved_ttl, saved_recovered, c_unknown = self._acc
-        exact = self._exact
-        exact_limit = EXACT_GAPS_LIMIT + len(self._exact_out)
-        counts = self._hist.counts
-        log10 = math.log10
-        trunc = float.__trunc__
-        hist_min, log_min, per_decade = _HIST_MIN, float(_HIST_LOG_MIN), float(_HIST_PER_DECADE)
-        last_bin = _HIST_BINS - 1
-        idx_other, idx_prompt, idx_lower, idx_est = self._idx
-        top = MAX_TURN_INDEX
-        try:
-            for cid, ts, p, c in zip(conversation_ids, tss, prompt_tokens, completion_tokens):
-                st = get(cid)
-                if st is None:
-                    convs[cid] = [1, first_finalised, ts, p, c, None, None]
-                    continue
-                pts = st[2]
-                if ts < pts:
-                    self._acc = [recovered, idle, saved_ttl, saved_recovered, c_unknown]
-                    self._exact = exact
-                    late += self._insert(st, (ts, p, c, None, None))
-                    recovered, idle, saved_ttl, saved_recovered, c_unknown = self._acc
-                    exact = self._exact
-                    exact_limit = EXACT_GAPS_LIMIT + len(self._exact_out)
-                    continue
-                pp = st[3]
-                pc = st[4]
-                pend = st[5]
-                st[2:2] = (ts, p, c, None, None)
-                k = len(st)
-                if k > full:
-                    del st[-5:]
-                elif k > pending_max:
-                    st[1] = True
-                n = st[0] + 1
-                st[0] = n
-                gap = ts - (pts if pend is None else pend)
-                if gap < 0.0:
-                    gap = 0.0
-                if exact is not None:
-                    exact.append(gap)
-                    if len(exact) > exact_limit:
-                        self._exact = exact
-                        self._to_histogram()
-                        exact = None
-                elif gap < hist_min:
-                    counts[0] += 1
-                else:
-                    i = trunc((log10(gap) - log_min) * per_decade) + 1
-                    counts[i if i < last_bin else last_bin] += 1
-                i = n if n < top else top
-                if p is None or pp is None:
-                    idx_other[i] += 1
-                    if gap <= ttl:
-                        pass
-                    elif gap <= max_idle:
-                        recovered += 1
-                    else:
-                        idle += 1
-                    continue
-                low = pp if pp < p else p
-                if pc is None:
-                    c_unknown += 1
-                    est = low
-                else:
-                    est = pp + pc
-                    if est > p:
-                        est = p
-                if gap <= ttl:
-                    saved_ttl += est
-                elif gap <= max_idle:
-                    recovered += 1
-                    saved_recovered += est
-                else:
-                    idle += 1
-                idx_prompt[i] += p
-                idx_lower[i] += low
-                idx_est[i] += est
-        finally:
-            self._acc = [recovered, idle, saved_ttl, saved_recovered, c_unknown]
-            self._exact = exact
-            self._late += late
 
     def _insert(self, st: list[Any], turn: Record) -> int:
         """A turn older than its conversation's latest: 1 if it is late, else place it in timestamp
