@@ -237,8 +237,7 @@ def block_hashes(token_ids: Sequence[int], block_size: int, salt: str | None = N
     """
     if block_size <= 0:
         raise ProtocolError("block_size must be positive")
-    seed = hashlib.sha256(_HASH_DOMAIN + b"\x00" + (salt or "").encode("utf-8")).digest()
-    parent = seed[:BLOCK_HASH_BYTES]
+    parent = _hash_seed(salt)
     out: list[str] = []
     n_full = len(token_ids) // block_size
     for i in range(n_full):
@@ -246,6 +245,26 @@ def block_hashes(token_ids: Sequence[int], block_size: int, salt: str | None = N
         parent = hashlib.sha256(parent + chunk).digest()[:BLOCK_HASH_BYTES]
         out.append(parent.hex())
     return out
+
+
+def _hash_seed(salt: str | None) -> bytes:
+    return hashlib.sha256(_HASH_DOMAIN + b"\x00" + (salt or "").encode("utf-8")).digest()[:BLOCK_HASH_BYTES]
+
+
+def tail_hash(tail_token_ids: Sequence[int], parent: str | None, salt: str | None = None) -> str:
+    """Hash of a *partial* last block, chained on the hash of the last full block before it.
+
+    ``parent`` is that full block's hash (hex), or ``None`` when the sequence is shorter than one
+    block (the chain's salted seed is used). A tag keeps it apart from full-block hashes, so equal
+    tails mean equal tokens up to the very last one D computed: P may then pull the partial block
+    too instead of recomputing up to ``block_size - 1`` tokens.
+    """
+    base = _hash_seed(salt) if parent is None else bytes.fromhex(parent)
+    chunk = array("i", tail_token_ids).tobytes()
+    return hashlib.sha256(base + _TAIL_TAG + chunk).digest()[:BLOCK_HASH_BYTES].hex()
+
+
+_TAIL_TAG: Final = b"\x01tail"
 
 
 def common_prefix_blocks(ours: Sequence[str], theirs: Sequence[str]) -> int:
@@ -269,8 +288,11 @@ class LeaseHandleExt:
     """The ``kvlease`` sub-object of D's ``kv_transfer_params``.
 
     JSON: ``{"v": 1, "block_size": 16, "num_tokens": 1234, "hashes": ["<32 hex>", ...],
-    "lease_id": "<D's request id>", "engine_id": "...", "control": "http://host:port" | null}``.
-    ``hashes`` cover the full blocks of D's retained sequence (prompt + generated tokens).
+    "tail": "<32 hex>" | null, "lease_id": "<D's request id>", "engine_id": "...",
+    "control": "http://host:port" | null}``.
+    ``hashes`` cover the full blocks of D's retained sequence (prompt + generated tokens); ``tail``
+    (optional, :func:`tail_hash`) its partial last block, when ``num_tokens`` is not a multiple of
+    ``block_size``. A reader that does not know ``tail`` simply pulls whole blocks only.
     """
 
     block_size: int
@@ -280,6 +302,7 @@ class LeaseHandleExt:
     engine_id: str | None = None
     control: str | None = None
     version: int = PROTOCOL_VERSION
+    tail: str | None = None
 
     MAX_BLOCKS: Final = 1 << 20
 
@@ -289,6 +312,7 @@ class LeaseHandleExt:
             "block_size": self.block_size,
             "num_tokens": self.num_tokens,
             "hashes": list(self.hashes),
+            "tail": self.tail,
             "lease_id": self.lease_id,
             "engine_id": self.engine_id,
             "control": self.control,
@@ -311,6 +335,11 @@ class LeaseHandleExt:
                 raise ProtocolError("kvlease.hashes must be a list of 32-character hex strings")
         if len(hashes) > nt // bs:
             raise ProtocolError("kvlease.hashes covers more blocks than num_tokens")
+        tail = data.get("tail")
+        if tail is not None and (
+            not isinstance(tail, str) or len(tail) != 2 * BLOCK_HASH_BYTES or nt % bs == 0
+        ):
+            raise ProtocolError("kvlease.tail must be null or a 32-character hex string (partial block only)")
         lease_id = data.get("lease_id")
         if not isinstance(lease_id, str) or not lease_id or len(lease_id) > 512:
             raise ProtocolError("kvlease.lease_id must be a non-empty string")
@@ -324,6 +353,7 @@ class LeaseHandleExt:
             engine_id=engine_id if isinstance(engine_id, str) else None,
             control=control if isinstance(control, str) else None,
             version=PROTOCOL_VERSION,
+            tail=tail,
         )
 
 

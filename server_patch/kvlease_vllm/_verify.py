@@ -1,10 +1,12 @@
 """Token-exact prefix verification of a decode node's block handle (pure, no vLLM).
 
 D publishes chained hashes of the full blocks it retains (:func:`kvlease.protocol.block_hashes`
-over prompt + generated tokens, salted with ``cache_salt``). P hashes its own prompt the same way;
-equal hashes at block ``i`` mean equal tokens in blocks ``0..i``. P pulls only that common prefix of
-whole blocks (trimming the handle to it) and recomputes the rest, so a stripped ``<think>``, an
-edited earlier message or a different BPE split of resent text can never feed it foreign KV.
+over prompt + generated tokens, salted with ``cache_salt``) and of its partial last block
+(:func:`kvlease.protocol.tail_hash`). P hashes its own prompt the same way; equal hashes at block
+``i`` mean equal tokens in blocks ``0..i``. P pulls only that common prefix — whole blocks, plus
+the partial last block when everything before it and the partial block itself match, as upstream
+pulls it by length — trimming the handle to it, and recomputes the rest, so a stripped ``<think>``,
+an edited earlier message or a different BPE split of resent text can never feed it foreign KV.
 
 Handles come from clients through the router: every field is checked here and a bad handle is
 rejected with a reason, never an exception into the engine.
@@ -27,6 +29,7 @@ from kvlease.protocol import (
     ProtocolError,
     block_hashes,
     common_prefix_blocks,
+    tail_hash,
 )
 
 
@@ -183,43 +186,59 @@ def handle_ext(
 ) -> LeaseHandleExt:
     """D side: the ``kvlease`` object for a retained sequence of ``num_tokens`` computed tokens."""
     toks = token_ids[:num_tokens]
+    hashes = tuple(block_hashes(toks, block_size, salt))
+    full = len(hashes) * block_size
+    tail = tail_hash(toks[full:], hashes[-1] if hashes else None, salt) if len(toks) > full else None
     return LeaseHandleExt(
         block_size=block_size,
-        num_tokens=num_tokens,
-        hashes=tuple(block_hashes(toks, block_size, salt)),
+        num_tokens=len(toks),
+        hashes=hashes,
+        tail=tail,
         lease_id=lease_id,
         engine_id=engine_id,
         control=control,
     )
 
 
-def verified_blocks(
+def verified_tokens(
     handle: RemoteHandle, prompt_token_ids: Sequence[int], salt: str | None, local_block_size: int
 ) -> int:
-    """Whole blocks of P's prompt that D holds, token for token (0 when block sizes differ).
+    """Leading tokens of P's prompt that D holds, token for token (0 when block sizes differ).
 
-    At least one prompt token is always left to compute, and the count never exceeds the blocks the
-    handle names.
+    Whole blocks whose chained hashes agree; when all of D's full blocks agree and D's partial last
+    block (``tail``) matches too, all ``num_tokens`` D computed. At least one prompt token is always
+    left to compute, and the count never exceeds the blocks and tokens the handle names.
     """
     bs = handle.ext.block_size
     if bs != local_block_size:
         raise HandleRejected(Reason.BLOCK_SIZE, f"D's block size {bs} != P's {local_block_size}")
-    limit = min(
-        (len(prompt_token_ids) - 1) // bs if prompt_token_ids else 0,
-        len(handle.ext.hashes),
-        handle.num_tokens // bs,
-        *(len(g) for g in handle.block_ids),
-    )
-    if limit <= 0:
+    n_prompt = len(prompt_token_ids)
+    named = min((len(g) for g in handle.block_ids), default=0)
+    ext = handle.ext
+    limit = min((n_prompt - 1) // bs if n_prompt else 0, len(ext.hashes), handle.num_tokens // bs, named)
+    if limit <= 0 and ext.tail is None:
         return 0
-    ours = block_hashes(prompt_token_ids[: limit * bs], bs, salt)
-    return int(common_prefix_blocks(ours, handle.ext.hashes[:limit]))
+    ours = block_hashes(prompt_token_ids[: limit * bs], bs, salt) if limit > 0 else []
+    n = int(common_prefix_blocks(ours, ext.hashes[:limit]))
+    full = len(ext.hashes)
+    if (
+        ext.tail is not None
+        and n == full == ext.num_tokens // bs
+        and n_prompt > ext.num_tokens
+        and handle.num_tokens >= ext.num_tokens
+        and named > full
+        and tail_hash(prompt_token_ids[full * bs : ext.num_tokens], ext.hashes[-1] if full else None, salt)
+        == ext.tail
+    ):
+        return ext.num_tokens
+    return n * bs
 
 
-def trim_params(params: dict[str, Any], handle: RemoteHandle, n_blocks: int) -> None:
-    """Cut the handle in ``params`` (in place) to its first ``n_blocks`` verified blocks."""
+def trim_params(params: dict[str, Any], handle: RemoteHandle, tokens: int) -> None:
+    """Cut the handle in ``params`` (in place) to its first ``tokens`` verified tokens."""
+    n_blocks = -(-tokens // handle.ext.block_size)
     params[KV.REMOTE_BLOCK_IDS] = [list(g[:n_blocks]) for g in handle.block_ids]
-    params[KV.REMOTE_NUM_TOKENS] = n_blocks * handle.ext.block_size
+    params[KV.REMOTE_NUM_TOKENS] = tokens
 
 
 def strip_remote(params: dict[str, Any]) -> None:

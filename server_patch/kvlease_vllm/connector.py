@@ -51,7 +51,7 @@ from kvlease_vllm._verify import (
     parse_handle,
     strip_remote,
     trim_params,
-    verified_blocks,
+    verified_tokens,
 )
 
 if TYPE_CHECKING:
@@ -75,7 +75,7 @@ class _Pull:
     """P side: one request's handle, from the decision to the completed read."""
 
     handle: RemoteHandle | None
-    n_blocks: int = 0
+    verified: int = 0  # verified tokens of the handle (whole blocks, maybe a partial last one)
     claim: Future[float | None] | None = None
     started: float | None = None  # when (gain, True) was first returned
     tokens: int = 0
@@ -188,11 +188,11 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
                 )
             # pinned on D for claim_hold_s: upstream's stale-deadline check must not veto the read
             params[KV.REMOTE_BLOCKS_EXPIRY_TIME] = None
-        gain = pull.n_blocks * self.block_size - num_computed_tokens
+        gain = pull.verified - num_computed_tokens
         if gain <= 0:
             return self._decline(request, params, Reason.LOCAL_HIT, "P's prefix cache covers it")
         if pull.started is None:
-            trim_params(params, pull.handle, pull.n_blocks)
+            trim_params(params, pull.handle, pull.verified)
             pull.started, pull.tokens, pull.outcome = time.perf_counter(), gain, Reason.PULL
             self.metrics.pull_decisions.labels(Reason.PULL.value).inc()
             self.metrics.pulled_tokens.inc(gain)
@@ -208,15 +208,16 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
                 max_parallel=self.cfg.max_remote_parallel,
                 secret=self.secret,
             )
-            n = verified_blocks(handle, request.prompt_token_ids or [], request.cache_salt, self.block_size)
+            verified = verified_tokens(
+                handle, request.prompt_token_ids or [], request.cache_salt, self.block_size
+            )
         except HandleRejected as e:
             return self._decline_plan(
                 request, params, e.reason, e.detail, warn=e.reason is not Reason.UNVERIFIABLE
             )
-        verified = n * self.block_size
         self.metrics.verified_tokens.inc(verified)
         self.metrics.trimmed_tokens.inc(max(handle.num_tokens - verified, 0))
-        if n == 0:
+        if verified == 0:
             return self._decline_plan(
                 request, params, Reason.MISMATCH, f"0 of {len(handle.ext.hashes)} blocks match"
             )
@@ -224,7 +225,7 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
         if not decision.pull:
             return self._decline_plan(request, params, decision.reason, decision.describe())
         logger.debug("kvlease %s: %s", request.request_id, decision.describe())
-        pull = _Pull(handle, n)
+        pull = _Pull(handle, verified)
         if self.cfg.claim and handle.ext.control:
             pull.claim = self._claims.submit(
                 _control.claim,

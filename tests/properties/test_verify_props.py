@@ -1,8 +1,9 @@
 """Properties of token-exact prefix verification (hypothesis).
 
-The connector must never report more matched blocks than truly match: D's sequence and P's prompt
+The connector must never report more matched tokens than truly match: D's sequence and P's prompt
 are generated as a token list and a randomly edited copy, and the verified count is compared with
-the brute-force common prefix in whole blocks.
+the brute-force common prefix (whole blocks, or all of D's sequence when it is a strict prefix of
+the prompt).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from kvlease_vllm._verify import (
     handle_ext,
     handle_mac,
     parse_handle,
-    verified_blocks,
+    verified_tokens,
 )
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -74,18 +75,26 @@ def handle_for(
     return RemoteHandle(ext, "engine-d", "lease", "127.0.0.1", 5600, (tuple(range(n_ids)),), len(d_tokens))
 
 
+def true_verified_tokens(d_tokens: list[int], prompt: list[int], bs: int) -> int:
+    """Brute force: D's whole sequence when it is a strict prefix of the prompt, else the common
+    whole blocks, never all of the prompt (one token is left to compute)."""
+    if len(prompt) > len(d_tokens) and prompt[: len(d_tokens)] == d_tokens:
+        return len(d_tokens)
+    limit = (len(prompt) - 1) // bs if prompt else 0
+    return min(true_common_blocks(d_tokens, prompt, bs), limit, len(d_tokens) // bs) * bs
+
+
 @SETTINGS
 @given(data=st.data(), d_tokens=tokens, bs=block_sizes)
-def test_verified_blocks_never_exceed_the_true_common_prefix(
+def test_verified_tokens_never_exceed_the_true_common_prefix(
     data: st.DataObject, d_tokens: list[int], bs: int
 ) -> None:
     prompt = data.draw(edited(d_tokens))
-    n = verified_blocks(handle_for(d_tokens, bs), prompt, None, bs)
-    truth = true_common_blocks(d_tokens, prompt, bs)
-    assert n <= truth
-    # and it is exact within its limits: at least one prompt token is left to compute
-    limit = (len(prompt) - 1) // bs if prompt else 0
-    assert n == min(truth, limit, len(d_tokens) // bs)
+    n = verified_tokens(handle_for(d_tokens, bs), prompt, None, bs)
+    assert n < len(prompt) or n == 0
+    assert prompt[:n] == d_tokens[:n]
+    # and it is exact: whole common blocks, or D's whole sequence when the prompt extends it
+    assert n == true_verified_tokens(d_tokens, prompt, bs)
 
 
 @SETTINGS
@@ -95,8 +104,9 @@ def test_handle_naming_fewer_blocks_bounds_the_pull(
 ) -> None:
     prompt = data.draw(edited(d_tokens))
     named = data.draw(st.integers(0, len(d_tokens) // bs + 1))
-    n = verified_blocks(handle_for(d_tokens, bs, named_blocks=named), prompt, None, bs)
-    assert n <= min(named, true_common_blocks(d_tokens, prompt, bs))
+    n = verified_tokens(handle_for(d_tokens, bs, named_blocks=named), prompt, None, bs)
+    assert -(-n // bs) <= named
+    assert n <= true_verified_tokens(d_tokens, prompt, bs)
 
 
 @SETTINGS
@@ -120,7 +130,7 @@ def test_different_salts_never_match(
 ) -> None:
     """A tenant's ``cache_salt`` seeds the chain: the same tokens under another salt verify nothing."""
     prompt = d_tokens + [0]
-    assert verified_blocks(handle_for(d_tokens, bs, salt=salts[0]), prompt, salts[1], bs) == 0
+    assert verified_tokens(handle_for(d_tokens, bs, salt=salts[0]), prompt, salts[1], bs) == 0
 
 
 # ---- MAC-signed handles: any edit of a signed field is rejected ------------------------------------
@@ -135,6 +145,7 @@ MAC_FIELDS = [
     KV.REMOTE_NUM_TOKENS,
     KV.TP_SIZE,
     "kvlease.hashes",
+    "kvlease.tail",
     "kvlease.num_tokens",
     "kvlease.block_size",
     "kvlease.lease_id",

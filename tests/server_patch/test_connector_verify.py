@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from kvlease.protocol import KV, LEASE_HANDLE_MAC, block_hashes
+from kvlease.protocol import KV, LEASE_HANDLE_MAC, block_hashes, tail_hash
 from kvlease_vllm._config import KVLeaseConfig
 from kvlease_vllm._verify import (
     HandleRejected,
@@ -17,7 +17,7 @@ from kvlease_vllm._verify import (
     parse_handle,
     strip_remote,
     trim_params,
-    verified_blocks,
+    verified_tokens,
 )
 
 BS = 16
@@ -68,54 +68,88 @@ def edit(tokens: list[int], at: int, value: int = 7) -> list[int]:
 NEW_TURN = [5, 6, 7, 8] * 20  # the next user message (80 tokens)
 
 
+FULL = 10 * BS  # D's whole blocks; D's sequence is FULL + 5 tokens
+
+
 @pytest.mark.parametrize(
-    ("name", "prompt", "expected_blocks"),
+    ("name", "prompt", "expected_tokens"),
     [
-        ("exact continuation", D_TOKENS + NEW_TURN, 10),
-        ("exact, prompt ends inside D's partial block", D_TOKENS[: 10 * BS + 3] + NEW_TURN, 10),
-        ("stripped reasoning at token 100", D_TOKENS[:100] + D_TOKENS[120:] + NEW_TURN, 100 // BS),
-        ("earlier message edited at token 37", edit(D_TOKENS, 37) + NEW_TURN, 2),
+        ("exact continuation: D's partial last block too", D_TOKENS + NEW_TURN, FULL + 5),
+        ("exact, one new token", [*D_TOKENS, 9], FULL + 5),
+        ("prompt exactly D's sequence: one token must stay to compute", D_TOKENS, FULL),
+        ("prompt ends inside D's partial block", D_TOKENS[: FULL + 3] + NEW_TURN, FULL),
+        ("partial block edited", edit(D_TOKENS, FULL + 2) + NEW_TURN, FULL),
+        ("stripped reasoning at token 100", D_TOKENS[:100] + D_TOKENS[120:] + NEW_TURN, 100 // BS * BS),
+        ("earlier message edited at token 37", edit(D_TOKENS, 37) + NEW_TURN, 2 * BS),
         ("first token edited", edit(D_TOKENS, 0) + NEW_TURN, 0),
-        ("re-tokenized at the block boundary", D_TOKENS[:64] + [1, 2] + D_TOKENS[65:] + NEW_TURN, 4),
-        ("edit in the last full block", edit(D_TOKENS, 10 * BS - 1) + NEW_TURN, 9),
-        ("prompt shorter than D's sequence", D_TOKENS[: 5 * BS + 1], 5),
-        ("prompt exactly D's blocks: one token must stay to compute", D_TOKENS[: 5 * BS], 4),
+        ("re-tokenized at the block boundary", D_TOKENS[:64] + [1, 2] + D_TOKENS[65:] + NEW_TURN, 4 * BS),
+        ("edit in the last full block", edit(D_TOKENS, FULL - 1) + NEW_TURN, 9 * BS),
+        ("prompt shorter than D's sequence", D_TOKENS[: 5 * BS + 1], 5 * BS),
+        ("prompt exactly D's blocks: one token must stay to compute", D_TOKENS[: 5 * BS], 4 * BS),
         ("empty prompt", [], 0),
         ("single token prompt", D_TOKENS[:1], 0),
     ],
 )
-def test_verified_blocks(name: str, prompt: list[int], expected_blocks: int) -> None:
+def test_verified_tokens(name: str, prompt: list[int], expected_tokens: int) -> None:
     handle = parse(d_params())
-    assert verified_blocks(handle, prompt, None, BS) == expected_blocks, name
+    assert verified_tokens(handle, prompt, None, BS) == expected_tokens, name
 
 
 @pytest.mark.parametrize(
-    ("d_salt", "p_salt", "blocks"), [("a", "a", 10), ("a", "b", 0), (None, "a", 0), ("a", None, 0)]
+    ("d_tokens", "prompt", "expected"),
+    [
+        ("shorter than one block", D_TOKENS[:5] + NEW_TURN, 5),
+        ("shorter than one block, edited", [7, *D_TOKENS[1:5], *NEW_TURN], 0),
+        ("whole blocks only (no partial block)", D_TOKENS[:FULL] + NEW_TURN, FULL),
+    ],
 )
-def test_cache_salt_separates_tenants(d_salt: str | None, p_salt: str | None, blocks: int) -> None:
+def test_verified_tokens_of_other_sequences(d_tokens: str, prompt: list[int], expected: int) -> None:
+    held = {"shorter than one block": D_TOKENS[:5], "whole blocks only (no partial block)": D_TOKENS[:FULL]}
+    tokens = held.get(d_tokens, D_TOKENS[:5])
+    handle = parse(d_params(tokens))
+    assert (handle.ext.tail is None) == (len(tokens) % BS == 0)
+    assert verified_tokens(handle, prompt, None, BS) == expected, d_tokens
+
+
+@pytest.mark.parametrize(
+    ("d_salt", "p_salt", "tokens"), [("a", "a", FULL + 5), ("a", "b", 0), (None, "a", 0), ("a", None, 0)]
+)
+def test_cache_salt_separates_tenants(d_salt: str | None, p_salt: str | None, tokens: int) -> None:
     handle = parse(d_params(salt=d_salt))
-    assert verified_blocks(handle, D_TOKENS + NEW_TURN, p_salt, BS) == blocks
+    assert verified_tokens(handle, D_TOKENS + NEW_TURN, p_salt, BS) == tokens
 
 
 def test_block_size_mismatch_is_rejected() -> None:
     handle = parse(d_params())
     with pytest.raises(HandleRejected) as e:
-        verified_blocks(handle, D_TOKENS + NEW_TURN, None, 32)
+        verified_tokens(handle, D_TOKENS + NEW_TURN, None, 32)
     assert e.value.reason is Reason.BLOCK_SIZE
 
 
 def test_handle_naming_fewer_blocks_than_hashes_limits_the_pull() -> None:
     params = d_params()
     params[KV.REMOTE_BLOCK_IDS] = [[100, 101, 102]]
-    assert verified_blocks(parse(params), D_TOKENS + NEW_TURN, None, BS) == 3
+    assert verified_tokens(parse(params), D_TOKENS + NEW_TURN, None, BS) == 3 * BS
+    # naming the full blocks but not the partial one: whole blocks only
+    params[KV.REMOTE_BLOCK_IDS] = [list(range(100, 110))]
+    assert verified_tokens(parse(params), D_TOKENS + NEW_TURN, None, BS) == FULL
+
+
+def test_handle_naming_fewer_tokens_than_the_tail_covers_pulls_whole_blocks() -> None:
+    params = d_params()
+    params[KV.REMOTE_NUM_TOKENS] = FULL + 2
+    assert verified_tokens(parse(params), D_TOKENS + NEW_TURN, None, BS) == FULL
 
 
 def test_trim_and_strip() -> None:
     params = d_params()
     handle = parse(params)
-    trim_params(params, handle, 4)
+    trim_params(params, handle, 4 * BS)
     assert params[KV.REMOTE_BLOCK_IDS] == [[100, 101, 102, 103]]
     assert params[KV.REMOTE_NUM_TOKENS] == 4 * BS
+    trim_params(params, handle, FULL + 5)  # the partial last block is named too
+    assert params[KV.REMOTE_BLOCK_IDS] == [list(range(100, 111))]
+    assert params[KV.REMOTE_NUM_TOKENS] == FULL + 5
     strip_remote(params)
     assert params[KV.REMOTE_BLOCK_IDS] is None and params[KV.REMOTE_NUM_TOKENS] == 0
 
@@ -123,6 +157,10 @@ def test_trim_and_strip() -> None:
 def test_hashes_are_protocol_block_hashes_of_d_sequence() -> None:
     ext = d_params(salt="s")[KV.KVLEASE]
     assert ext["hashes"] == block_hashes(D_TOKENS, BS, "s")
+    assert ext["tail"] == tail_hash(D_TOKENS[FULL:], ext["hashes"][-1], "s")
+    # the salt seeds the chain the tail hangs on
+    assert ext["tail"] != tail_hash(D_TOKENS[FULL:], block_hashes(D_TOKENS, BS, None)[-1])
+    assert tail_hash(D_TOKENS[:5], None, "s") != tail_hash(D_TOKENS[:5], None, "t")
     assert ext["lease_id"] == "d-req-1" and ext["block_size"] == BS and ext["num_tokens"] == len(D_TOKENS)
 
 
