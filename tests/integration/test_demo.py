@@ -21,7 +21,7 @@ from rich.console import Console
 from kvlease_vllm.demo import PLAN, SLOW_TOOL_TURN, run_demo
 from kvlease_vllm.stack import Stack, StackSpec
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]
 
 D_TTL = 20.0
 SPEC = StackSpec(model="tiny", connector="kvlease", ttl=D_TTL, recompute_threshold=32, prefix_caching=False)

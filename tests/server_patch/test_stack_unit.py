@@ -14,8 +14,10 @@ from kvlease_vllm.stack._config import (
     CHAT_TEMPLATE,
     TOOL_CALL_PARSER,
     busy_threads,
+    polling_threads,
     kv_transfer_config,
     parse_task_stat,
+    parse_task_times,
     plugin_names,
     sample_key,
     server_command,
@@ -284,6 +286,30 @@ def test_busy_threads_rejects_zero_interval() -> None:
 
 
 @pytest.mark.parametrize(
+    ("before", "after", "expected"),
+    [
+        # 100 ticks/s over 2 s = 200 ticks a core. Thread 1 leads its process (tid = pid).
+        ({1: (0, 0), 2: (0, 0)}, {1: (40, 150), 2: (40, 150)}, [2]),  # spinning in syscalls
+        ({2: (0, 0)}, {2: (190, 5)}, []),  # busy in user mode: start-up work, left alone
+        ({2: (0, 0)}, {2: (20, 79)}, []),  # under half a core
+        ({2: (0, 0)}, {2: (50, 50)}, [2]),  # thresholds are inclusive
+        ({2: (0, 0)}, {2: (51, 49)}, []),  # ...and the kernel share must be at least half
+        ({1: (0, 0)}, {1: (0, 200), 7: (0, 400)}, []),  # born during the sample: next round
+        ({2: (0, 0), 3: (10, 10)}, {3: (20, 210)}, [3]),  # ended threads are ignored
+    ],
+)
+def test_polling_threads(
+    before: dict[int, tuple[int, int]], after: dict[int, tuple[int, int]], expected: list[int]
+) -> None:
+    assert polling_threads(before, after, interval_s=2.0, clk_tck=100, leaders={1}) == expected
+
+
+def test_polling_threads_rejects_zero_interval() -> None:
+    with pytest.raises(ValueError):
+        polling_threads({}, {}, interval_s=0, clk_tck=100)
+
+
+@pytest.mark.parametrize(
     ("comm", "utime", "stime"),
     [("python", 120, 30), ("VLLM::Worker", 5, 7), ("a (b) c", 1000, 1), ("x)", 0, 0)],
 )
@@ -308,6 +334,7 @@ def test_parse_task_stat(comm: str, utime: int, stime: int) -> None:
     ]
     text = f"1234 ({comm}) " + " ".join(fields) + "\n"
     assert parse_task_stat(text) == utime + stime
+    assert parse_task_times(text) == (utime, stime)
 
 
 def test_parse_task_stat_of_this_process() -> None:

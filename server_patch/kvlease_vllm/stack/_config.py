@@ -305,12 +305,49 @@ def parse_prometheus(text: str) -> Metrics:
 # --------------------------------------------------------------------------------------------------
 
 
-def parse_task_stat(text: str) -> int:
-    """utime + stime (clock ticks) from the text of ``/proc/PID/task/TID/stat``."""
+def parse_task_times(text: str) -> tuple[int, int]:
+    """(utime, stime) in clock ticks from the text of ``/proc/PID/task/TID/stat``."""
     # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
     rest = text[text.rindex(")") + 2 :].split()
     # rest[0] is field 3 (state); utime and stime are fields 14 and 15.
-    return int(rest[11]) + int(rest[12])
+    return int(rest[11]), int(rest[12])
+
+
+def parse_task_stat(text: str) -> int:
+    """utime + stime (clock ticks) from the text of ``/proc/PID/task/TID/stat``."""
+    return sum(parse_task_times(text))
+
+
+def polling_threads(
+    before: Mapping[int, tuple[int, int]],
+    after: Mapping[int, tuple[int, int]],
+    *,
+    interval_s: float,
+    clk_tck: int,
+    leaders: Iterable[int] = (),
+    min_share: float = 0.5,
+    min_sys_share: float = 0.5,
+) -> list[int]:
+    """Busy-polling threads of a server that is still starting: ids of non-leader threads that used
+    at least ``min_share`` of a core, at least ``min_sys_share`` of it in the kernel.
+
+    NIXL's progress thread spins in system calls from the moment the worker creates its agent, which
+    is before the model's profiling run and warm-up; start-up work itself runs in the processes'
+    main threads (the ``leaders``, thread id = process id) and mostly in user mode.
+    """
+    if interval_s <= 0:
+        raise ValueError("interval_s must be > 0")
+    budget = interval_s * clk_tck
+    skip = set(leaders)
+    out = []
+    for tid, (u1, s1) in after.items():
+        if tid in skip or tid not in before:
+            continue
+        u0, s0 = before[tid]
+        used = (u1 - u0) + (s1 - s0)
+        if used / budget >= min_share and (s1 - s0) >= min_sys_share * used:
+            out.append(tid)
+    return sorted(out)
 
 
 def busy_threads(

@@ -17,6 +17,7 @@ import secrets
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -43,7 +44,9 @@ from kvlease_vllm.stack._config import (
     kv_transfer_config,
     parse_prometheus,
     parse_task_stat,
+    parse_task_times,
     plugin_names,
+    polling_threads,
     server_command,
     server_env,
 )
@@ -179,6 +182,61 @@ def renice_busy_threads(pgids: list[int], *, interval_s: float = 2.5, niceness: 
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, tid, niceness)
     return busy
+
+
+class StartupRenicer:
+    """Renices busy-polling threads (:func:`polling_threads`) of servers that are still starting.
+
+    NIXL's progress thread spins from the moment a worker creates its agent, before the profiling
+    run and the warm-up; with two servers starting on two cores, the two spinning threads compete
+    with both servers' start-up work at equal priority. This thread samples the groups every
+    ``interval_s`` until :meth:`stop` and renices what it finds; :meth:`Stack._renice` still does the
+    full pass once both servers are healthy.
+    """
+
+    def __init__(
+        self, pgids: Callable[[], list[int]], *, interval_s: float = 2.0, niceness: int = 19
+    ) -> None:
+        self._pgids = pgids
+        self.interval_s = interval_s
+        self.niceness = niceness
+        self.reniced: set[int] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvlease-startup-renice", daemon=True)
+
+    def __enter__(self) -> StartupRenicer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    def _sample(self) -> tuple[dict[int, tuple[int, int]], set[int]]:
+        pids = [p for g in self._pgids() for p in group_members(g)]
+        times: dict[int, tuple[int, int]] = {}
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                for tid in os.listdir(f"/proc/{pid}/task"):
+                    with contextlib.suppress(OSError, ValueError, IndexError):
+                        times[int(tid)] = parse_task_times(Path(f"/proc/{pid}/task/{tid}/stat").read_text())
+        return times, set(pids)
+
+    def _run(self) -> None:
+        clk = os.sysconf("SC_CLK_TCK")
+        before, _ = self._sample()
+        while not self._stop.wait(self.interval_s):
+            after, leaders = self._sample()
+            found = polling_threads(before, after, interval_s=self.interval_s, clk_tck=clk, leaders=leaders)
+            for tid in set(found) - self.reniced:
+                with contextlib.suppress(OSError):
+                    os.setpriority(os.PRIO_PROCESS, tid, self.niceness)
+                    self.reniced.add(tid)
+            before = after
 
 
 @dataclass
@@ -321,8 +379,13 @@ class Stack:
             t0 = time.monotonic()
             stack._launch(stack.prefill)
             stack._launch(stack.decode)
-            stack._wait_healthy(stack.prefill)
-            stack._wait_healthy(stack.decode)
+            with StartupRenicer(stack._pgids) as early:
+                stack._wait_healthy(stack.prefill)
+                stack._wait_healthy(stack.decode)
+            if early.reniced:
+                say(
+                    f"reniced {len(early.reniced)} busy-polling thread(s) during start-up: {sorted(early.reniced)}"
+                )
             stack.timings["start_s"] = time.monotonic() - t0
             stack._renice()
             if warmup:
@@ -409,6 +472,9 @@ class Stack:
                 )
             time.sleep(0.5)
 
+    def _pgids(self) -> list[int]:
+        return [s.pgid for s in (self.prefill, self.decode) if s.pgid is not None and s.alive()]
+
     def _renice(self, servers: list[ServerHandle] | None = None) -> None:
         servers = servers or [self.prefill, self.decode]
         pgids = [s.pgid for s in servers if s.pgid is not None]
@@ -462,7 +528,8 @@ class Stack:
         t0 = time.monotonic()
         self._launch(server)
         try:
-            self._wait_healthy(server)
+            with StartupRenicer(self._pgids):
+                self._wait_healthy(server)
             self._renice([server])
             if warmup:
                 self.warm_up(timeout=self.health_timeout)
