@@ -143,7 +143,7 @@ def strip_params(obj: Any) -> Any:
                 value = cur.pop(KV_TRANSFER_PARAMS)
                 if value is not None:
                     found = value
-            stack.extend(v for v in cur.values() if isinstance(v, (dict, list)))
+            stack.extend([v for v in cur.values() if isinstance(v, (dict, list))])
         elif isinstance(cur, list):
-            stack.extend(v for v in cur if isinstance(v, (dict, list)))
+            stack.extend([v for v in cur if isinstance(v, (dict, list))])
     return found

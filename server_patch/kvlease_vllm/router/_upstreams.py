@@ -64,6 +64,9 @@ class Pool:
     def pick(self, now: float, prefer: str | None = None, exclude: Iterable[Node] = ()) -> Node:
         """``prefer`` (affinity) if healthy, else the healthy node with the fewest outstanding
         requests (ties rotate); with no healthy node, the least-loaded one (it may have recovered)."""
+        nodes = self.nodes
+        if len(nodes) == 1:  # every rule below picks the only node (even an excluded, unhealthy one)
+            return nodes[0]
         excluded = {id(n) for n in exclude}
         preferred = self.by_url(prefer)
         if preferred is not None and preferred.healthy(now) and id(preferred) not in excluded:
