@@ -46,8 +46,11 @@ __all__ = ["DEMO_SPEC_KW", "DemoResult", "demo", "router_process", "run_demo"]
 DEMO_SPEC_KW: dict[str, Any] = {"model": "small", "ttl": 20.0, "prefix_caching": False, "plugin": True}
 
 THINK_RE = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
-#: Forces an answer shaped like a reasoning model's (the demo model has random weights).
-REASONING_REGEX = r"<think>[a-z ]{20,60}</think>[a-z ,.]{10,60}"
+#: Forces an answer shaped like a reasoning model's (the demo model has random weights). Short
+#: enough to close within :data:`REASONING_MAX_TOKENS` even at one token a character: an answer cut
+#: off inside ``<think>`` has no reasoning block to strip, and the demo would show nothing.
+REASONING_REGEX = r"<think>[a-z ]{12,40}</think>[a-z ,.]{8,30}"
+REASONING_MAX_TOKENS = 100
 
 #: The agent's tools (OpenAI function tools).
 TOOLS: list[dict[str, Any]] = [
@@ -221,7 +224,7 @@ def _create(
         # The tools are sent every turn: the template lists them in the system turn.
         tools=TOOLS,
         tool_choice="auto" if calls_tool else "none",
-        max_tokens=120 if calls_tool else 40,
+        max_tokens=120 if calls_tool else REASONING_MAX_TOKENS if action == "think" else 40,
         temperature=0.0,
         stream=True,
         stream_options={"include_usage": True},

@@ -2,7 +2,7 @@
 
 ``kvlease demo`` itself starts its own pair on the small random model (for timings); here its agent
 runs against the test session's pair (the tiny model, the spec of ``test_connector_pd``: D TTL 20 s,
-P's prefix cache off), so what is checked is the behaviour the demo shows, not its speed:
+P's prefix cache off, float32), so what is checked is the behaviour the demo shows, not its speed:
 
 - tool calls come back as OpenAI ``tool_calls`` (vLLM's Hermes parser on the stack's template), and
   the turn after each call and its ``tool`` result reuses D's KV;
@@ -24,7 +24,15 @@ from kvlease_vllm.stack import Stack, StackSpec
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]
 
 D_TTL = 20.0
-SPEC = StackSpec(model="tiny", connector="kvlease", ttl=D_TTL, recompute_threshold=32, prefix_caching=False)
+# float32, as test_connector_pd (the same pair): answers are compared token for token (see there).
+SPEC = StackSpec(
+    model="tiny",
+    connector="kvlease",
+    ttl=D_TTL,
+    recompute_threshold=32,
+    prefix_caching=False,
+    dtype="float32",
+)
 
 
 def test_demo_agent_on_the_real_stack(stack_factory: object) -> None:
