@@ -218,8 +218,7 @@ def verified_tokens(
     limit = min((n_prompt - 1) // bs if n_prompt else 0, len(ext.hashes), handle.num_tokens // bs, named)
     if limit <= 0 and ext.tail is None:
         return 0
-    ours = block_hashes(prompt_token_ids[: limit * bs], bs, salt) if limit > 0 else []
-    n = int(common_prefix_blocks(ours, ext.hashes[:limit]))
+    n = int(common_prefix_blocks(block_hashes(prompt_token_ids[: limit * bs], bs, salt), ext.hashes[:limit]))
     full = len(ext.hashes)
     if (
         ext.tail is not None

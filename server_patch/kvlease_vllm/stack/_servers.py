@@ -22,7 +22,7 @@ import time
 import urllib.error
 import urllib.request
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -43,7 +43,6 @@ from kvlease_vllm.stack._config import (
     busy_threads,
     kv_transfer_config,
     parse_prometheus,
-    parse_task_stat,
     parse_task_times,
     plugin_names,
     polling_threads,
@@ -161,26 +160,35 @@ def group_members(pgid: int) -> list[int]:
     return out
 
 
-def _thread_ticks(pids: list[int]) -> dict[int, int]:
-    ticks: dict[int, int] = {}
+def _thread_times(pids: list[int]) -> dict[int, tuple[int, int]]:
+    """(utime, stime) of every thread of ``pids``, by thread id (threads that vanish are skipped)."""
+    times: dict[int, tuple[int, int]] = {}
     for pid in pids:
         with contextlib.suppress(OSError):
             for tid in os.listdir(f"/proc/{pid}/task"):
                 with contextlib.suppress(OSError, ValueError, IndexError):
-                    ticks[int(tid)] = parse_task_stat(Path(f"/proc/{pid}/task/{tid}/stat").read_text())
-    return ticks
+                    times[int(tid)] = parse_task_times(Path(f"/proc/{pid}/task/{tid}/stat").read_text())
+    return times
+
+
+def _renice(tids: Iterable[int], niceness: int) -> list[int]:
+    """Set ``niceness`` on each thread; return those it was set on (a thread may have ended)."""
+    done = []
+    for tid in tids:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, tid, niceness)
+            done.append(tid)
+    return done
 
 
 def renice_busy_threads(pgids: list[int], *, interval_s: float = 2.5, niceness: int = 19) -> list[int]:
     """Find threads of the groups that burn CPU while idle and renice them; return their TIDs."""
     pids = [p for g in pgids for p in group_members(g)]
-    before = _thread_ticks(pids)
+    before = {tid: u + s for tid, (u, s) in _thread_times(pids).items()}
     time.sleep(interval_s)
-    after = _thread_ticks(pids)
+    after = {tid: u + s for tid, (u, s) in _thread_times(pids).items()}
     busy = busy_threads(before, after, interval_s=interval_s, clk_tck=os.sysconf("SC_CLK_TCK"))
-    for tid in busy:
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, tid, niceness)
+    _renice(busy, niceness)
     return busy
 
 
@@ -218,13 +226,7 @@ class StartupRenicer:
 
     def _sample(self) -> tuple[dict[int, tuple[int, int]], set[int]]:
         pids = [p for g in self._pgids() for p in group_members(g)]
-        times: dict[int, tuple[int, int]] = {}
-        for pid in pids:
-            with contextlib.suppress(OSError):
-                for tid in os.listdir(f"/proc/{pid}/task"):
-                    with contextlib.suppress(OSError, ValueError, IndexError):
-                        times[int(tid)] = parse_task_times(Path(f"/proc/{pid}/task/{tid}/stat").read_text())
-        return times, set(pids)
+        return _thread_times(pids), set(pids)
 
     def _run(self) -> None:
         clk = os.sysconf("SC_CLK_TCK")
@@ -232,10 +234,7 @@ class StartupRenicer:
         while not self._stop.wait(self.interval_s):
             after, leaders = self._sample()
             found = polling_threads(before, after, interval_s=self.interval_s, clk_tck=clk, leaders=leaders)
-            for tid in set(found) - self.reniced:
-                with contextlib.suppress(OSError):
-                    os.setpriority(os.PRIO_PROCESS, tid, self.niceness)
-                    self.reniced.add(tid)
+            self.reniced.update(_renice(set(found) - self.reniced, self.niceness))
             before = after
 
 
