@@ -110,7 +110,7 @@ class _ConversationBase(Generic[C]):
 
     @property
     def reuse_off_turns(self) -> int:
-        """Turns sent with ``X-KVLease-Reuse: off`` because the history was not exact."""
+        """Turns sent with reuse off (:data:`~kvlease.protocol.HEADER_REUSE`) because the history was not exact."""
         return sum(1 for t in self._state.turns if t.reuse_forced_off)
 
     @property
@@ -363,7 +363,7 @@ def wrap(
 
     - ``reasoning``: ``"warn"`` detects a resent history that is not what the model produced
       (stripped reasoning, edited content or tool calls, rewritten history), sends
-      ``X-KVLease-Reuse: off`` for that turn and warns once per conversation
+      reuse off for that turn (:data:`~kvlease.protocol.HEADER_REUSE`) and warns once per conversation
       (:class:`~kvlease.ReuseOffWarning`); ``"keep"`` also re-attaches stripped reasoning under the
       field name the server used; ``"off"`` disables detection.
     - ``heartbeat``: renew open leases from a background thread (task) before they expire.

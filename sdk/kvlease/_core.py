@@ -113,7 +113,7 @@ class ConversationState:
 
 
 class LeaseSink(Protocol):
-    """Where finished turns that carry a lease (an ``X-KVLease-TTL`` header) go: the lease keeper."""
+    """Where finished turns that carry a lease (a :data:`~kvlease.protocol.HEADER_TTL` header) go: the lease keeper."""
 
     def activate(
         self, conversation_id: str, root: str, ttl: float, headers: Mapping[str, str], *, explicit: bool

@@ -1,9 +1,9 @@
 """Per-turn reuse decisions and handle parsing (sans-IO: state, ``now`` and JSON in, decisions out).
 
-Status meanings (value of ``X-KVLease-Status``), exactly:
+Status meanings (value of :data:`kvlease.protocol.HEADER_STATUS`), exactly:
 
 * ``no-id``: the request carried no conversation id; nothing is looked up or stored.
-* ``disabled``: the client sent ``X-KVLease-Reuse: off``, or reuse is off cluster-wide; no handle
+* ``disabled``: the client turned reuse off (:data:`kvlease.protocol.HEADER_REUSE`), or reuse is off cluster-wide; no handle
   is sent to P (the new handle from D is still captured for the next turn).
 * ``first``: no state for this (tenant, id): nothing to reuse yet.
 * ``expired``: state exists but the router's lease ended (no renewal in time); no handle sent.
@@ -11,7 +11,7 @@ Status meanings (value of ``X-KVLease-Status``), exactly:
   the returned answer exactly. With the kvlease connector: P's verified pull found no common block.
 * ``miss``: a handle was expected but none was usable: the last decode returned none (e.g. a stream
   without the kvlease plugin), D is unhealthy, or P reported no reuse (declined, failed read).
-* ``hit``: a handle was sent and P reused D's blocks. ``X-KVLease-Reused-Tokens`` is P's report:
+* ``hit``: a handle was sent and P reused D's blocks. :data:`kvlease.protocol.HEADER_REUSED_TOKENS` is P's report:
   the kvlease connector's ``reused_tokens``; else ``usage.prompt_tokens_details.cached_tokens`` (stock
   vLLM with ``--enable-prompt-tokens-details``; it also counts P's local prefix-cache hits); else,
   when P reports nothing, the tokens D held (an upper bound: stock vLLM pulls by length).
