@@ -1,6 +1,6 @@
 """Router overhead: the kvlease router vs calling the servers directly vs a minimal FastAPI+httpx proxy.
 
-Separate processes: a fake vLLM P/D pair (``kvlease_vllm.testing.fake_vllm``, kvlease connector +
+Separate processes: a fake vLLM P/D pair (``kvlease_stack.testing.fake_vllm``, kvlease connector +
 plugin, P trusts handles), the router (``kvlease router``), the baseline proxy (FastAPI + httpx on
 uvicorn, doing the same two calls with no state), and this process as the load generator (aiohttp on
 uvloop, one keep-alive connection pool for every path). Every turn is a streaming chat completion of
@@ -590,7 +590,7 @@ def run(quick: bool = False) -> dict[str, Any]:
             [
                 py,
                 "-m",
-                "kvlease_vllm.testing.fake_vllm",
+                "kvlease_stack.testing.fake_vllm",
                 "--no-pull-check",
                 "--max-tokens",
                 str(MAX_TOKENS),
@@ -602,7 +602,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         prefill, decode = fake.info["prefill"], fake.info["decode"][0]
         router = _Proc(
             [
-                py, "-m", "kvlease_vllm.router.cli",
+                py, "-m", "kvlease_router.cli",
                 "--prefill", prefill, "--prefill-control", fake.info["prefill_control"],
                 "--decode", decode, "--decode-control", fake.info["decode_control"][0],
                 "--control-secret", SECRET, "--port", "0", "--log-level", "warning",

@@ -1,7 +1,7 @@
 """Soak: many concurrent multi-turn conversations through the router, with clients hanging up
 mid-stream, against the fast fake vLLM P/D pair.
 
-Separate processes: the fake P/D pair (``kvlease_vllm.testing.fake_vllm``), the router
+Separate processes: the fake P/D pair (``kvlease_stack.testing.fake_vllm``), the router
 (``kvlease router``) and this process as the clients (aiohttp on uvloop). Each conversation sends
 ``turns`` streaming chat turns; with probability ``disconnect_p`` a turn's client reads the first
 chunk and hangs up, then re-sends the same turn (an agent retrying).
@@ -41,7 +41,7 @@ from typing import Any
 import aiohttp
 
 from kvlease.protocol import CHAT_COMPLETIONS_PATH, HEADER_CONVERSATION_ID, HEADER_STATUS, METRICS_PATH
-from kvlease_vllm.testing import render_chat
+from kvlease_stack.testing import render_chat
 
 SECRET = "soak-secret"
 MAX_TOKENS = 8
@@ -295,12 +295,12 @@ def run_soak(
     procs: list[_Proc] = []
     try:
         fake = _Proc(
-            [py, "-m", "kvlease_vllm.testing.fake_vllm", "--max-tokens", str(MAX_TOKENS), "--secret", SECRET]
+            [py, "-m", "kvlease_stack.testing.fake_vllm", "--max-tokens", str(MAX_TOKENS), "--secret", SECRET]
         )
         procs.append(fake)
         router = _Proc(
             [
-                py, "-m", "kvlease_vllm.router.cli",
+                py, "-m", "kvlease_router.cli",
                 "--prefill", fake.info["prefill"], "--prefill-control", fake.info["prefill_control"],
                 "--decode", fake.info["decode"][0], "--decode-control", fake.info["decode_control"][0],
                 "--control-secret", SECRET, "--port", "0", "--log-level", "error",

@@ -124,8 +124,8 @@ def summarize(results: list[list[dict[str, Any]]], plans: list[ConvPlan]) -> dic
 
 def run(quick: bool = False) -> dict[str, Any]:
     sys.path.insert(0, str(ROOT))
-    from kvlease_vllm.demo import router_process
-    from kvlease_vllm.stack import Stack, StackSpec, default_dtype
+    from kvlease_stack import Stack, StackSpec, default_dtype
+    from kvlease_stack.demo import router_process
 
     plans = make_trace(8 if quick else 20)
     long_pauses = sum(1 for p in plans for x in p.pauses if x > D_TTL)

@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 
 from kvlease.protocol import KV_TRANSFER_PARAMS, prefill_request_params
-from kvlease_vllm.stack import Stack, StackSpec, default_dtype
+from kvlease_stack import Stack, StackSpec, default_dtype
 
 TIMEOUT = httpx.Timeout(600.0, connect=10.0)
 GEN = 16

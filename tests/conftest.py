@@ -10,8 +10,8 @@ import pytest
 
 @pytest.fixture
 def redis_server() -> Iterator[Any]:
-    """A real ``redis-server`` per test (:class:`kvlease_vllm.testing.RedisServer`); CI installs it."""
-    from kvlease_vllm.testing import RedisServer  # the server extra: not in the SDK-only venv
+    """A real ``redis-server`` per test (:class:`kvlease_stack.testing.RedisServer`); CI installs it."""
+    from kvlease_stack.testing import RedisServer  # the server extra: not in the SDK-only venv
 
     if not RedisServer.available():
         pytest.skip("redis-server binary not installed (apt-get install redis-server)")

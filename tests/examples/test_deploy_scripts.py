@@ -18,8 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
+from kvlease_stack.testing import RedisServer
 from kvlease_vllm._config import normalize_extra_config
-from kvlease_vllm.testing import RedisServer
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "examples" / "deploy"
@@ -87,7 +87,7 @@ def test_node_scripts_refuse_to_start_without_the_secret(tmp_path: Path) -> None
 def test_router_script_starts_the_router_in_front_of_the_nodes(redis_server: RedisServer) -> None:
     """router.sh with its real flags, against the fake P/D pair (its own process) and real Redis."""
     fake = subprocess.Popen(
-        [sys.executable, "-m", "kvlease_vllm.testing.fake_vllm", "--secret", "s3cret"],
+        [sys.executable, "-m", "kvlease_stack.testing.fake_vllm", "--secret", "s3cret"],
         stdout=subprocess.PIPE,
         text=True,
         process_group=0,

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlease.protocol import CACHE_SALT, CONTROL_SECRET_ENV, ReuseStatus
-from kvlease_vllm.stack import Stack
+from kvlease_stack import Stack
 
 #: Generous, bounded waits: the machine's CPU is shared by several P/D pairs.
 TURN_TIMEOUT_S = 300.0
@@ -67,7 +67,7 @@ class RouterProc:
         self.port = free_port()
         self.log_path = log_path
         self.args = [
-            sys.executable, "-m", "kvlease_vllm.router.cli",
+            sys.executable, "-m", "kvlease_router.cli",
             "--prefill", stack.prefill.url, "--prefill-control", stack.prefill.control,
             "--decode", stack.decode.url, "--decode-control", stack.decode.control,
             "--host", "127.0.0.1", "--port", str(self.port), "--startup-timeout", "120", *extra,

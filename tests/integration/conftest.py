@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvlease_vllm.stack import Stack, StackSpec, ensure_venv
+from kvlease_stack import Stack, StackSpec, ensure_venv
 
 #: Start-up deadline per server (and for the warm-up turn). Generous: CPU is scarce here (a start
 #: takes 45-80 s on a quiet machine, over 200 s on a loaded one), but short enough that a stuck start

@@ -33,7 +33,7 @@ from kvlease.protocol import (
     ControlRenewResponse,
     prefill_request_params,
 )
-from kvlease_vllm.stack import Stack, StackSpec
+from kvlease_stack import Stack, StackSpec
 
 pytestmark = pytest.mark.integration
 

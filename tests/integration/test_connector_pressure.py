@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pytest
 
 from kvlease.protocol import CONTROL_INFO_PATH, CONTROL_METRICS_PATH
-from kvlease_vllm.stack import Stack, StackSpec, parse_prometheus
+from kvlease_stack import Stack, StackSpec, parse_prometheus
 
 from .test_connector_pd import ASSISTANT, PD, USER_1, chatml, reused, salt
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pytest
 
 from kvlease.protocol import CONTROL_METRICS_PATH, KV, PREFILL_REUSE_STATUS
-from kvlease_vllm.stack import Stack, StackSpec
+from kvlease_stack import Stack, StackSpec
 
 from .test_connector_pd import ASSISTANT, PD, USER_1, chatml, exact, reused, salt
 

@@ -18,8 +18,8 @@ import io
 import pytest
 from rich.console import Console
 
-from kvlease_vllm.demo import PLAN, SLOW_TOOL_TURN, run_demo
-from kvlease_vllm.stack import Stack, StackSpec
+from kvlease_stack import Stack, StackSpec
+from kvlease_stack.demo import PLAN, SLOW_TOOL_TURN, run_demo
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]
 

@@ -28,8 +28,8 @@ import pytest
 
 from kvlease import RetryPolicy
 from kvlease.protocol import ReuseStatus
-from kvlease_vllm.stack import Stack, StackSpec
-from kvlease_vllm.testing import RedisServer
+from kvlease_stack import Stack, StackSpec
+from kvlease_stack.testing import RedisServer
 
 from ._faults import (
     TURN_TIMEOUT_S,

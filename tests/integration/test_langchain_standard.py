@@ -17,7 +17,7 @@ from langchain_tests.integration_tests import ChatModelIntegrationTests
 
 import kvlease
 from kvlease_langchain import ChatKVLease
-from kvlease_vllm.stack import Stack, StackSpec
+from kvlease_stack import Stack, StackSpec
 
 from .test_router_real_stack import QUESTION, RouterProcess
 

@@ -21,7 +21,7 @@ from kvlease.protocol import (
     KV_TRANSFER_PARAMS,
     prefill_request_params,
 )
-from kvlease_vllm.stack import Stack, StackSpec
+from kvlease_stack import Stack, StackSpec
 
 pytestmark = pytest.mark.integration
 

@@ -21,8 +21,8 @@ from kvlease.protocol import (
     RENEW_PATH,
     STATUS_PATH,
 )
-from kvlease_vllm.stack import StackSpec
-from kvlease_vllm.testing import RedisServer
+from kvlease_stack import StackSpec
+from kvlease_stack.testing import RedisServer
 
 pytestmark = pytest.mark.integration
 
@@ -36,7 +36,7 @@ class RouterProcess:
 
     def __init__(self, stack: Any, *extra: str, timeout: float = 180.0) -> None:
         args = [
-            sys.executable, "-m", "kvlease_vllm.router.cli",
+            sys.executable, "-m", "kvlease_router.cli",
             "--prefill", stack.prefill.url, "--prefill-control", stack.prefill.control,
             "--decode", stack.decode.url, "--decode-control", stack.decode.control,
             "--control-secret", stack.control_secret, "--port", "0", "--startup-timeout", "120", *extra,

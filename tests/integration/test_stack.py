@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from kvlease.protocol import CACHE_SALT, CHAT_COMPLETIONS_PATH, KV, KV_TRANSFER_PARAMS, prefill_request_params
-from kvlease_vllm.stack import Stack, StackError, StackSpec
-from kvlease_vllm.stack._servers import group_members, http_json
+from kvlease_stack import Stack, StackError, StackSpec
+from kvlease_stack._servers import group_members, http_json
 
 pytestmark = pytest.mark.integration
 

@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from kvlease_router import ConversationState, MemoryStore
 from kvlease_vllm._leases import RELEASING_GRACE_S, LeaseTable
-from kvlease_vllm.router import ConversationState, MemoryStore
 
 IDS = st.sampled_from([f"l{i}" for i in range(8)])
 STATEFUL = settings(

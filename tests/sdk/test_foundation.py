@@ -34,6 +34,8 @@ BLOCKER = textwrap.dedent(
         "import kvlease.cli",
         "import kvlease_vllm",
         "import kvlease_langchain",
+        "import kvlease_router",
+        "import kvlease_stack",
     ],
 )
 def test_imports_without_optional_stacks(statement: str) -> None:

@@ -17,9 +17,9 @@ import orjson
 from aiohttp import web
 
 from kvlease.protocol import CHAT_COMPLETIONS_PATH, HEADER_CONVERSATION_ID
-from kvlease_vllm.router import ROUTER_KEY, MemoryStore, NodeSpec, RouterSettings, create_app
-from kvlease_vllm.router._core import Router
-from kvlease_vllm.testing import FakeConfig, FakePair
+from kvlease_router import ROUTER_KEY, MemoryStore, NodeSpec, RouterSettings, create_app
+from kvlease_router._core import Router
+from kvlease_stack.testing import FakeConfig, FakePair
 
 __all__ = ["Cluster", "Listener", "parse_sse", "reply_text", "running_cluster"]
 

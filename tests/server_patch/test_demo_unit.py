@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import warnings
 
-from kvlease_vllm.demo import REASONING_MAX_TOKENS, REASONING_REGEX, THINK_RE, TOOL_NAMES, tool_call_regex
+from kvlease_stack.demo import REASONING_MAX_TOKENS, REASONING_REGEX, THINK_RE, TOOL_NAMES, tool_call_regex
 
 
 def _max_chars(regex: str) -> int:

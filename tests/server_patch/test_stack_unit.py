@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from kvlease.protocol import CONTROL_SECRET_ENV
-from kvlease_vllm.stack import Metrics, StackSpec, parse_prometheus
-from kvlease_vllm.stack._config import (
+from kvlease_stack import Metrics, StackSpec, parse_prometheus
+from kvlease_stack._config import (
     CHAT_TEMPLATE,
     TOOL_CALL_PARSER,
     busy_threads,
@@ -23,8 +23,8 @@ from kvlease_vllm.stack._config import (
     server_command,
     server_env,
 )
-from kvlease_vllm.stack._paths import source_root
-from kvlease_vllm.stack._venv import changed_pins
+from kvlease_stack._paths import source_root
+from kvlease_stack._venv import changed_pins
 
 # -- kv_transfer_config ------------------------------------------------------------------------------
 
@@ -363,7 +363,7 @@ def test_changed_pins(
 def test_source_root_is_this_checkout() -> None:
     root = source_root()
     assert root is not None
-    assert (root / "server_patch" / "kvlease_vllm" / "stack").is_dir()
+    assert (root / "server_patch" / "kvlease_stack").is_dir()
 
 
 # -- CLI without servers -----------------------------------------------------------------------------
@@ -372,7 +372,7 @@ def test_source_root_is_this_checkout() -> None:
 def test_cli_status_and_down_without_a_stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from typer.testing import CliRunner
 
-    from kvlease_vllm.stack.cli import app
+    from kvlease_stack.cli import app
 
     monkeypatch.setenv("KVLEASE_HOME", str(tmp_path))
     runner = CliRunner()
@@ -391,7 +391,7 @@ def test_cli_down_never_signals_a_process_that_is_not_a_vllm_server(
 
     from typer.testing import CliRunner
 
-    from kvlease_vllm.stack.cli import app
+    from kvlease_stack.cli import app
 
     monkeypatch.setenv("KVLEASE_HOME", str(tmp_path))
     me = {"pid": os.getpid(), "pgid": os.getpgid(0), "url": "http://127.0.0.1:9"}
@@ -420,7 +420,7 @@ def test_child_setup_own_group_and_parent_death(die_with_parent: bool) -> None:
     # An intermediate process starts `sleep` with child_setup, prints its pid, then is SIGKILLed.
     code = (
         "import subprocess, sys\n"
-        "from kvlease_vllm.stack._proc import child_setup\n"
+        "from kvlease_stack._proc import child_setup\n"
         f"p = subprocess.Popen(['sleep', '60'], preexec_fn=child_setup(die_with_parent={die_with_parent}))\n"
         "print(p.pid, flush=True)\n"
         "sys.stdin.read()\n"
@@ -460,7 +460,7 @@ def test_decode_args_reach_only_the_decode_server() -> None:
 
 
 def test_default_dtype_follows_the_cpus_native_bf16() -> None:
-    from kvlease_vllm.stack import default_dtype
+    from kvlease_stack import default_dtype
 
     assert default_dtype("processor: 0\nflags\t\t: fpu avx fma f16c\n") == "float32"
     assert default_dtype("flags : fpu avx2 avx512f avx512_bf16\n") == "bfloat16"
@@ -495,7 +495,7 @@ PLAIN = [
 def test_stack_template_renders_plain_chats_as_the_models_own(gen: bool) -> None:
     """The servers' template only adds tools: a plain chat renders token for token as with the
     template stored in the models (which they were trained on), tools or not given."""
-    from kvlease_vllm.stack._build_model import CHAT_TEMPLATE as MODEL_TEMPLATE
+    from kvlease_stack._build_model import CHAT_TEMPLATE as MODEL_TEMPLATE
 
     want = _render(MODEL_TEMPLATE, PLAIN, add_generation_prompt=gen)
     assert _render(CHAT_TEMPLATE, PLAIN, add_generation_prompt=gen) == want

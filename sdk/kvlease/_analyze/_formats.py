@@ -59,7 +59,7 @@ try:  # orjson parses a short JSON line 2-3x faster; json is the fallback
     _loads: Callable[[bytes], Any] = orjson.loads
     JSON_BACKEND: Final = "orjson"
     _NUL_SENSITIVE = False
-except ImportError:  # pragma: no cover - exercised only without the [server]/[dev] extras
+except ImportError:  # pragma: no cover - exercised only without the [router]/[dev] extras
     _loads = json.loads
     JSON_BACKEND = "json"  # type: ignore[misc]
     # json.loads(bytes) guesses UTF-16/32 from NUL bytes and the length: parse a line that has NUL

@@ -1,4 +1,4 @@
-"""``kvlease analyze FILE``: the command (registered in ``kvlease.cli.SUBCOMMANDS``)."""
+"""``kvlease analyze FILE``: the command (registered in the ``kvlease.commands`` entry-point group)."""
 
 from __future__ import annotations
 

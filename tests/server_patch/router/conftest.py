@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from kvlease_vllm.router import (
+from kvlease_router import (
     ROUTER_KEY,
     MemoryStore,
     NodeSpec,
@@ -19,8 +19,8 @@ from kvlease_vllm.router import (
     StateStore,
     create_app,
 )
-from kvlease_vllm.router._core import Router
-from kvlease_vllm.testing import FakeConfig, FakePair
+from kvlease_router._core import Router
+from kvlease_stack.testing import FakeConfig, FakePair
 
 SECRET = "fake-secret"
 

@@ -47,7 +47,9 @@ def _stop(proc: subprocess.Popen[str]) -> None:
 
 @pytest.fixture
 def fake_pair() -> Iterator[dict[str, Any]]:
-    proc = _spawn([sys.executable, "-m", "kvlease_vllm.testing.fake_vllm", "--secret", SECRET, "--ttl", "60"])
+    proc = _spawn(
+        [sys.executable, "-m", "kvlease_stack.testing.fake_vllm", "--secret", SECRET, "--ttl", "60"]
+    )
     try:
         yield _first_line(proc)
     finally:
@@ -56,7 +58,7 @@ def fake_pair() -> Iterator[dict[str, Any]]:
 
 def _router_args(pair: dict[str, Any], *extra: str) -> list[str]:
     return [
-        sys.executable, "-m", "kvlease_vllm.router.cli",
+        sys.executable, "-m", "kvlease_router.cli",
         "--prefill", pair["prefill"], "--prefill-control", pair["prefill_control"],
         "--decode", pair["decode"][0], "--decode-control", pair["decode_control"][0],
         "--control-secret", SECRET, "--port", "0", "--startup-timeout", "10", *extra,
@@ -93,7 +95,7 @@ def test_cli_refuses_a_ttl_above_d_minus_margin(fake_pair: dict[str, Any]) -> No
 def test_cli_config_file_and_unknown_keys(fake_pair: dict[str, Any], tmp_path: Path) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"prefill": [fake_pair["prefill"]], "bogus": 1}))
-    proc = _spawn([sys.executable, "-m", "kvlease_vllm.router.cli", "--config", str(bad)])
+    proc = _spawn([sys.executable, "-m", "kvlease_router.cli", "--config", str(bad)])
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 2 and "unknown config keys: bogus" in err
     good = tmp_path / "router.json"
@@ -108,7 +110,7 @@ def test_cli_config_file_and_unknown_keys(fake_pair: dict[str, Any], tmp_path: P
             }
         )
     )
-    proc = _spawn([sys.executable, "-m", "kvlease_vllm.router.cli", "--config", str(good)])
+    proc = _spawn([sys.executable, "-m", "kvlease_router.cli", "--config", str(good)])
     try:
         url = _first_line(proc)["url"]
         assert httpx.get(url + "/v1/kvlease/status", timeout=30).json()["ttl_s"] == 40

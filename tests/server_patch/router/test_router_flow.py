@@ -17,7 +17,7 @@ from kvlease.protocol import (
     REUSE_OFF,
     ReuseStatus,
 )
-from kvlease_vllm.testing import FakeConfig
+from kvlease_stack.testing import FakeConfig
 
 
 def _status(resp: Any) -> str:

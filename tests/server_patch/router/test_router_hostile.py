@@ -11,7 +11,7 @@ import pytest
 from conftest import Cluster, ClusterFactory, assistant_text, one_route_upstream
 
 from kvlease.protocol import CONVERSATIONS_PATH, HEADER_STATUS, KV, KV_TRANSFER_PARAMS, RENEW_PATH
-from kvlease_vllm.testing import FakeConfig
+from kvlease_stack.testing import FakeConfig
 
 CHAT = "/v1/chat/completions"
 GOOD = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

@@ -18,7 +18,7 @@ from kvlease.protocol import (
     STATUS_PATH,
     RenewResponse,
 )
-from kvlease_vllm.testing import FakeConfig
+from kvlease_stack.testing import FakeConfig
 
 
 async def _first_turn(

@@ -7,9 +7,9 @@ from aiohttp import web
 from conftest import ClusterFactory, assistant_text
 
 from kvlease.protocol import HEADER_REUSED_TOKENS, HEADER_STATUS, RENEW_PATH, STATUS_PATH, ControlInfo, Role
-from kvlease_vllm.router import ConfigError, MemoryStore, NodeSpec, RouterSettings, create_app
-from kvlease_vllm.router._validate import NodeFacts, plan_cluster
-from kvlease_vllm.testing import FakeConfig, FakePair
+from kvlease_router import ConfigError, MemoryStore, NodeSpec, RouterSettings, create_app
+from kvlease_router._validate import NodeFacts, plan_cluster
+from kvlease_stack.testing import FakeConfig, FakePair
 
 
 def stock(**kw: object) -> FakeConfig:

@@ -10,7 +10,7 @@ import pytest
 from conftest import ClusterFactory, assistant_text
 
 from kvlease.protocol import HEADER_STATUS
-from kvlease_vllm.router import (
+from kvlease_router import (
     ConversationState,
     MemoryStore,
     RedisStore,
@@ -18,7 +18,7 @@ from kvlease_vllm.router import (
     StoreError,
     redis_client_from_url,
 )
-from kvlease_vllm.testing import RedisServer
+from kvlease_stack.testing import RedisServer
 
 
 def _state(n: int = 0) -> ConversationState:

@@ -18,9 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlease.protocol import HEADER_STATUS, KV_TRANSFER_PARAMS, ReuseStatus
-from kvlease_vllm.router import ConversationState, MemoryStore
-from kvlease_vllm.router._flow import _rewrite_events
-from kvlease_vllm.router._reuse import NEEDLE, strip_params
+from kvlease_router import ConversationState, MemoryStore
+from kvlease_router._flow import _rewrite_events
+from kvlease_router._reuse import NEEDLE, strip_params
 
 CHAT = "/v1/chat/completions"
 
@@ -120,7 +120,7 @@ async def test_done_reaches_the_client_only_after_the_new_handle_is_stored(
 async def test_stream_relay_keeps_every_event_in_order(make_cluster: ClusterFactory) -> None:
     """Whether D's events arrive in one read or one by one, the client gets them all, once, in
     order, then [DONE]."""
-    from kvlease_vllm.testing import FakeConfig
+    from kvlease_stack.testing import FakeConfig
 
     for delay in (0.0, 0.002):
         cluster = await make_cluster(FakeConfig(token_delay=delay, default_max_tokens=12))

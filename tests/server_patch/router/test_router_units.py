@@ -7,15 +7,15 @@ from typing import Any
 import pytest
 
 from kvlease.protocol import ReuseStatus
-from kvlease_vllm.router import ConversationState, MissRateMonitor
-from kvlease_vllm.router._continuity import (
+from kvlease_router import ConversationState, MissRateMonitor
+from kvlease_router._continuity import (
     chat_continuity,
     chat_extends,
     completion_continuity,
     completion_extends,
 )
-from kvlease_vllm.router._identity import IdentityError, Keyer, conversation_id_from, tenant_from
-from kvlease_vllm.router._reuse import capture_handle, decide_offer, judge_prefill, strip_params
+from kvlease_router._identity import IdentityError, Keyer, conversation_id_from, tenant_from
+from kvlease_router._reuse import capture_handle, decide_offer, judge_prefill, strip_params
 
 NOW = 1000.0
 HANDLE = {

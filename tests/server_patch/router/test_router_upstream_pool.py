@@ -17,8 +17,8 @@ import pytest
 from conftest import ClusterFactory, assistant_text
 
 from kvlease.protocol import HEADER_STATUS
-from kvlease_vllm.router import ConfigError, NodeSpec, RouterSettings
-from kvlease_vllm.testing import FakeConfig, FakePair
+from kvlease_router import ConfigError, NodeSpec, RouterSettings
+from kvlease_stack.testing import FakeConfig, FakePair
 
 
 class Proxy:

@@ -30,13 +30,13 @@ from kvlease.protocol import (
     ControlInfo,
     ProtocolError,
 )
-from kvlease_vllm.router._core import JSON_CT, Router, error_response, log
-from kvlease_vllm.router._flow import handle_turn
-from kvlease_vllm.router._lease_api import handle_release, handle_renew
-from kvlease_vllm.router._settings import ConfigError, RouterSettings
-from kvlease_vllm.router._store import StateStore
-from kvlease_vllm.router._upstreams import Node, Upstreams
-from kvlease_vllm.router._validate import ClusterPlan, NodeFacts, plan_cluster
+from kvlease_router._core import JSON_CT, Router, error_response, log
+from kvlease_router._flow import handle_turn
+from kvlease_router._lease_api import handle_release, handle_renew
+from kvlease_router._settings import ConfigError, RouterSettings
+from kvlease_router._store import StateStore
+from kvlease_router._upstreams import Node, Upstreams
+from kvlease_router._validate import ClusterPlan, NodeFacts, plan_cluster
 
 __all__ = ["ROUTER_KEY", "create_app"]
 

@@ -24,9 +24,9 @@ from kvlease.protocol import (
     RenewResponse,
     validate_conversation_id,
 )
-from kvlease_vllm.router._core import JSON_CT, Router, error_response, log
-from kvlease_vllm.router._identity import tenant_from
-from kvlease_vllm.router._store import ConversationState, StoreError
+from kvlease_router._core import JSON_CT, Router, error_response, log
+from kvlease_router._identity import tenant_from
+from kvlease_router._store import ConversationState, StoreError
 
 __all__ = ["handle_release", "handle_renew"]
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvlease_vllm.testing._redis import RedisServer
-from kvlease_vllm.testing.fake_vllm import FakeConfig, FakeNode, FakePair, render_chat
+from kvlease_stack.testing._redis import RedisServer
+from kvlease_stack.testing.fake_vllm import FakeConfig, FakeNode, FakePair, render_chat
 
 __all__ = ["FakeConfig", "FakeNode", "FakePair", "RedisServer", "render_chat"]

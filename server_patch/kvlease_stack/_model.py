@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvlease_vllm.stack._paths import kvlease_home, models_dir
-from kvlease_vllm.stack._venv import (
+from kvlease_stack._paths import kvlease_home, models_dir
+from kvlease_stack._venv import (
     Progress,
     ProvisionError,
     _stderr_progress,

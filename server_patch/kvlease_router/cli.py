@@ -15,7 +15,7 @@ from typing import Any
 import typer
 
 from kvlease.protocol import CONTROL_SECRET_ENV
-from kvlease_vllm.router._settings import ConfigError, NodeSpec, RouterSettings, load_config_file
+from kvlease_router._settings import ConfigError, NodeSpec, RouterSettings, load_config_file
 
 __all__ = ["app", "serve"]
 
@@ -54,9 +54,9 @@ async def serve(settings: RouterSettings, key_secret_given: bool = True) -> None
     """Run until SIGINT/SIGTERM; prints one JSON line ``{"url": ...}`` when listening."""
     from aiohttp import web
 
-    from kvlease_vllm.router._app import create_app
-    from kvlease_vllm.router._redis_store import RedisStore, redis_client_from_url
-    from kvlease_vllm.router._store import MemoryStore, StateStore
+    from kvlease_router._app import create_app
+    from kvlease_router._redis_store import RedisStore, redis_client_from_url
+    from kvlease_router._store import MemoryStore, StateStore
 
     store: StateStore
     if settings.state:
@@ -182,7 +182,7 @@ def app(
         raise typer.Exit(2) from None
 
 
-def main() -> None:  # python -m kvlease_vllm.router.cli
+def main() -> None:  # python -m kvlease_router.cli
     typer.run(app)
 
 

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from kvlease_vllm.stack._paths import (
+from kvlease_stack._paths import (
     NIXL_VERSION,
     UNWANTED_PACKAGES,
     VLLM_VERSION,
@@ -28,7 +28,7 @@ from kvlease_vllm.stack._paths import (
     source_root,
     venv_dir,
 )
-from kvlease_vllm.stack._proc import child_setup
+from kvlease_stack._proc import child_setup
 
 Progress = Callable[[str], None]
 MARKER = "kvlease-venv.json"

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from kvlease.protocol import ControlInfo
-from kvlease_vllm.router._settings import NodeSpec
+from kvlease_router._settings import NodeSpec
 
 __all__ = ["Node", "Pool", "Upstreams"]
 

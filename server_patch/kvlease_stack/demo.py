@@ -139,7 +139,7 @@ def router_process(
     stack: Any, *, extra_args: list[str] | None = None, timeout: float = 60.0
 ) -> Iterator[str]:
     """Run ``kvlease router`` in front of ``stack`` in its own process group; yield its base URL."""
-    cmd = [sys.executable, "-m", "kvlease_vllm.router.cli"]
+    cmd = [sys.executable, "-m", "kvlease_router.cli"]
     cmd += ["--prefill", stack.prefill.url, "--decode", stack.decode.url, "--host", "127.0.0.1"]
     cmd += ["--port", "0", "--control-secret", stack.control_secret, "--log-level", "warning"]
     if stack.prefill.control:
@@ -379,7 +379,7 @@ def demo(
     """Bring up vLLM P/D + router locally and run a multi-turn agent with kvlease on and off."""
     from rich.console import Console
 
-    from kvlease_vllm.stack import Stack, StackSpec, default_dtype
+    from kvlease_stack import Stack, StackSpec, default_dtype
 
     if not 2 <= turns <= len(PLAN):
         raise typer.BadParameter(f"must be between 2 and {len(PLAN)}", param_hint="--turns")

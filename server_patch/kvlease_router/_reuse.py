@@ -34,7 +34,7 @@ from kvlease.protocol import (
     ProtocolError,
     ReuseStatus,
 )
-from kvlease_vllm.router._store import ConversationState
+from kvlease_router._store import ConversationState
 
 __all__ = ["Captured", "Offer", "capture_handle", "decide_offer", "judge_prefill", "strip_params"]
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvlease.protocol import PROTOCOL_VERSION, ControlInfo, Role
-from kvlease_vllm.router._settings import ConfigError, RouterSettings
+from kvlease_router._settings import ConfigError, RouterSettings
 
 __all__ = ["ClusterPlan", "NodeFacts", "plan_cluster"]
 

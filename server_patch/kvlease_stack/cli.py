@@ -39,7 +39,7 @@ def _read_state(path: Path) -> dict[str, Any] | None:
 
 def _ours(entry: dict[str, Any]) -> bool:
     """The recorded server is still running and is still a vLLM server (PIDs get reused)."""
-    from kvlease_vllm.stack._servers import group_alive
+    from kvlease_stack._servers import group_alive
 
     pid, pgid = entry.get("pid"), entry.get("pgid")
     return (
@@ -65,9 +65,9 @@ def up(
     timeout: float = typer.Option(600.0, help="Start-up deadline per server, seconds."),
 ) -> None:
     """Provision (once), start P on core 0 and D on core 1, print the endpoints as JSON."""
-    from kvlease_vllm.stack._config import StackSpec
-    from kvlease_vllm.stack._paths import state_file
-    from kvlease_vllm.stack._servers import Stack
+    from kvlease_stack._config import StackSpec
+    from kvlease_stack._paths import state_file
+    from kvlease_stack._servers import Stack
 
     path = state_file()
     state = _read_state(path)
@@ -95,8 +95,8 @@ def up(
 @app.command()
 def down(timeout: float = typer.Option(30.0, help="Seconds to wait after SIGTERM before SIGKILL.")) -> None:
     """Stop the servers recorded by ``kvlease stack up``."""
-    from kvlease_vllm.stack._paths import state_file
-    from kvlease_vllm.stack._servers import stop_group
+    from kvlease_stack._paths import state_file
+    from kvlease_stack._servers import stop_group
 
     path = state_file()
     state = _read_state(path)
@@ -118,8 +118,8 @@ def down(timeout: float = typer.Option(30.0, help="Seconds to wait after SIGTERM
 def status() -> None:
     """Show the recorded stack and whether its servers are up and healthy (JSON)."""
     from kvlease.protocol import HEALTH_PATH
-    from kvlease_vllm.stack._paths import state_file
-    from kvlease_vllm.stack._servers import _http_text
+    from kvlease_stack._paths import state_file
+    from kvlease_stack._servers import _http_text
 
     path = state_file()
     state = _read_state(path)

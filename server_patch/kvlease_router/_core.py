@@ -18,12 +18,12 @@ import orjson
 from aiohttp import web
 
 from kvlease.protocol import CONTROL_AUTH_HEADER, CONTROL_RELEASE_PATH, ControlReleaseRequest
-from kvlease_vllm.router._identity import Keyer, log_ref
-from kvlease_vllm.router._metrics import MissRateMonitor, RouterMetrics
-from kvlease_vllm.router._settings import RouterSettings
-from kvlease_vllm.router._store import ConversationState, StateStore, StoreError
-from kvlease_vllm.router._upstreams import Upstreams
-from kvlease_vllm.router._validate import ClusterPlan
+from kvlease_router._identity import Keyer, log_ref
+from kvlease_router._metrics import MissRateMonitor, RouterMetrics
+from kvlease_router._settings import RouterSettings
+from kvlease_router._store import ConversationState, StateStore, StoreError
+from kvlease_router._upstreams import Upstreams
+from kvlease_router._validate import ClusterPlan
 
 __all__ = ["RequestIds", "Router", "error_response", "log"]
 

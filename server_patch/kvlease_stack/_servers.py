@@ -35,7 +35,7 @@ from kvlease.protocol import (
     METRICS_PATH,
     prefill_request_params,
 )
-from kvlease_vllm.stack._config import (
+from kvlease_stack._config import (
     Metrics,
     Ports,
     ServerRole,
@@ -49,10 +49,10 @@ from kvlease_vllm.stack._config import (
     server_command,
     server_env,
 )
-from kvlease_vllm.stack._model import ensure_model
-from kvlease_vllm.stack._paths import kvlease_home, logs_dir
-from kvlease_vllm.stack._proc import child_setup
-from kvlease_vllm.stack._venv import Progress, _stderr_progress, ensure_venv, site_packages
+from kvlease_stack._model import ensure_model
+from kvlease_stack._paths import kvlease_home, logs_dir
+from kvlease_stack._proc import child_setup
+from kvlease_stack._venv import Progress, _stderr_progress, ensure_venv, site_packages
 
 HOST = "127.0.0.1"
 

@@ -5,7 +5,7 @@ capture; sans-IO) → ``_store`` / ``_redis_store`` (state) → ``_upstreams`` (
 ``_lease_api`` (renew/release) → ``_validate`` (start-up checks) → ``_continuity`` (stock vLLM).
 Run it with ``kvlease router --prefill URL --decode URL``.
 
-Exports load lazily, so ``kvlease --help`` works without the ``[server]`` extra (aiohttp,
+Exports load lazily, so ``kvlease --help`` works without the ``[router]`` extra (aiohttp,
 prometheus-client, orjson).
 """
 

@@ -1,6 +1,6 @@
 """Redis state store: keys expire with the lease (plus the grace period), shared by replicas.
 
-redis-py is imported lazily (extra ``kvlease[redis]``); the client is injected so tests and
+redis-py is imported lazily (extra ``kvlease[router]``); the client is injected so tests and
 deployments choose the connection. Every failure becomes :class:`StoreError`, and after one the store
 answers ``StoreError`` at once for ``backoff`` seconds, so a dead Redis costs turns nothing but their
 reuse (no per-turn connect timeouts).
@@ -12,7 +12,7 @@ import asyncio
 import time
 from typing import Any
 
-from kvlease_vllm.router._store import ConversationState, StoreError
+from kvlease_router._store import ConversationState, StoreError
 
 __all__ = ["RedisStore", "redis_client_from_url"]
 
@@ -26,7 +26,7 @@ def redis_client_from_url(url: str, timeout: float) -> Any:
         from redis.backoff import NoBackoff
         from redis.retry import Retry
     except ModuleNotFoundError as e:  # pragma: no cover - depends on the install
-        raise RuntimeError("the Redis state store needs redis-py: pip install 'kvlease[redis]'") from e
+        raise RuntimeError("the Redis state store needs redis-py: pip install 'kvlease[router]'") from e
     return aioredis.from_url(
         url,
         socket_timeout=timeout,

@@ -43,10 +43,10 @@ def logs_dir(home: Path | None = None) -> Path:
 def source_root() -> Path | None:
     """The repository root when running from a source checkout, else ``None``.
 
-    The package lives in ``<root>/server_patch/kvlease_vllm/stack``; a checkout has
+    The package lives in ``<root>/server_patch/kvlease_stack``; a checkout has
     ``<root>/pyproject.toml`` declaring the ``kvlease`` project.
     """
-    root = Path(__file__).resolve().parents[3]
+    root = Path(__file__).resolve().parents[2]
     pyproject = root / "pyproject.toml"
     try:
         text = pyproject.read_text(encoding="utf-8")

@@ -538,7 +538,7 @@ class FakePair:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m kvlease_vllm.testing.fake_vllm [--stock] [--no-plugin] [--decodes N]``: serve a
+    """``python -m kvlease_stack.testing.fake_vllm [--stock] [--no-plugin] [--decodes N]``: serve a
     fake pair (uvloop) and print its addresses as one JSON line; stop with SIGTERM/SIGINT."""
     import argparse
     import json

@@ -9,11 +9,11 @@ This package never imports vLLM or torch: it drives a separate vLLM venv through
 
 from __future__ import annotations
 
-from kvlease_vllm.stack._config import Metrics, StackSpec, default_dtype, parse_prometheus
-from kvlease_vllm.stack._model import MODEL_SPECS, ensure_model
-from kvlease_vllm.stack._paths import kvlease_home, venv_python
-from kvlease_vllm.stack._servers import ServerHandle, Stack, StackError
-from kvlease_vllm.stack._venv import ProvisionError, ensure_venv
+from kvlease_stack._config import Metrics, StackSpec, default_dtype, parse_prometheus
+from kvlease_stack._model import MODEL_SPECS, ensure_model
+from kvlease_stack._paths import kvlease_home, venv_python
+from kvlease_stack._servers import ServerHandle, Stack, StackError
+from kvlease_stack._venv import ProvisionError, ensure_venv
 
 __all__ = [
     "MODEL_SPECS",

@@ -24,18 +24,18 @@ from kvlease.protocol import (
     ReuseStatus,
     prefill_request_params,
 )
-from kvlease_vllm.router._continuity import (
+from kvlease_router._continuity import (
     Continuity,
     chat_continuity,
     chat_extends,
     completion_continuity,
     completion_extends,
 )
-from kvlease_vllm.router._core import JSON_CT, Router, error_response, log
-from kvlease_vllm.router._identity import IdentityError, conversation_id_from, log_ref, tenant_from
-from kvlease_vllm.router._reuse import NEEDLE, capture_handle, decide_offer, judge_prefill, strip_params
-from kvlease_vllm.router._store import ConversationState
-from kvlease_vllm.router._upstreams import Node
+from kvlease_router._core import JSON_CT, Router, error_response, log
+from kvlease_router._identity import IdentityError, conversation_id_from, log_ref, tenant_from
+from kvlease_router._reuse import NEEDLE, capture_handle, decide_offer, judge_prefill, strip_params
+from kvlease_router._store import ConversationState
+from kvlease_router._upstreams import Node
 
 __all__ = ["handle_turn"]
 
