@@ -26,13 +26,13 @@ if TYPE_CHECKING:
     from kvlease._analyze import AnalysisReport, AnalyzeError, analyze
     from kvlease._client import AsyncConversation, AsyncKVLeaseClient, Conversation, KVLeaseClient, wrap
     from kvlease._core import Turn
-    from kvlease._errors import KVLeaseError, KVLeaseWarning, LeaseError, ReuseOffWarning
+    from kvlease._errors import ConfigError, KVLeaseError, KVLeaseWarning, LeaseError, ReuseOffWarning
     from kvlease._keeper import AsyncLeaseKeeper, LeaseKeeper
-    from kvlease._leases import RetryPolicy
+    from kvlease._renewal import RetryPolicy
     from kvlease._strip import AssistantReply, HistoryClass, StripDetector, ToolCall, Verdict
     from kvlease._turnlog import TurnLog
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "AnalysisReport",
@@ -41,6 +41,7 @@ __all__ = [
     "AsyncConversation",
     "AsyncKVLeaseClient",
     "AsyncLeaseKeeper",
+    "ConfigError",
     "Conversation",
     "HistoryClass",
     "InvalidConversationId",
@@ -71,13 +72,14 @@ _LAZY: dict[str, str] = {
     "KVLeaseClient": "kvlease._client",
     "wrap": "kvlease._client",
     "Turn": "kvlease._core",
+    "ConfigError": "kvlease._errors",
     "KVLeaseError": "kvlease._errors",
     "KVLeaseWarning": "kvlease._errors",
     "LeaseError": "kvlease._errors",
     "ReuseOffWarning": "kvlease._errors",
     "AsyncLeaseKeeper": "kvlease._keeper",
     "LeaseKeeper": "kvlease._keeper",
-    "RetryPolicy": "kvlease._leases",
+    "RetryPolicy": "kvlease._renewal",
     "AssistantReply": "kvlease._strip",
     "HistoryClass": "kvlease._strip",
     "StripDetector": "kvlease._strip",

@@ -22,7 +22,7 @@ from kvlease import protocol
 from kvlease._core import ConversationState, Tracker, Turn
 from kvlease._http import hx, inner_http_client
 from kvlease._keeper import AsyncLeaseKeeper, LeaseKeeper
-from kvlease._leases import RetryPolicy
+from kvlease._renewal import RetryPolicy
 from kvlease._strip import HistoryClass, ReasoningPolicy
 from kvlease._transport import AsyncKVTransport, KVTransport
 from kvlease._turnlog import TurnLog

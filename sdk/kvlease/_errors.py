@@ -10,6 +10,7 @@ from __future__ import annotations
 from kvlease.protocol import InvalidConversationId, ProtocolError
 
 __all__ = [
+    "ConfigError",
     "InvalidConversationId",
     "KVLeaseError",
     "KVLeaseWarning",
@@ -22,6 +23,13 @@ __all__ = [
 class KVLeaseError(Exception):
     """Base class of the errors kvlease raises itself (bad ids raise :class:`InvalidConversationId`,
     a ``ValueError``)."""
+
+
+class ConfigError(KVLeaseError, ValueError):
+    """A setting kvlease cannot accept, found at start-up; the message names the setting.
+
+    The one configuration error of every kvlease package: the SDK, the connector inside vLLM
+    (``kv_connector_extra_config``) and the router (flags, config file, what the nodes report)."""
 
 
 class LeaseError(KVLeaseError):

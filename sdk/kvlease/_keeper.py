@@ -1,5 +1,5 @@
 """The lease keeper: IO shells (one thread, or one asyncio task, per wrapped client) over
-:class:`~kvlease._leases.LeaseTable`.
+:class:`~kvlease._renewal.RenewalSchedule`.
 
 Renewals are retried with tenacity (attempts | delay, exponential backoff with jitter, only
 :class:`TransientLeaseError`); the sleep between attempts is interruptible by ``close()`` and can be
@@ -31,7 +31,14 @@ from tenacity import (
 from kvlease import protocol
 from kvlease._errors import LeaseError
 from kvlease._http import hx
-from kvlease._leases import LeaseTable, LeaseWire, ReleaseOrder, RenewBatch, RetryPolicy, TransientLeaseError
+from kvlease._renewal import (
+    LeaseWire,
+    ReleaseOrder,
+    RenewalSchedule,
+    RenewBatch,
+    RetryPolicy,
+    TransientLeaseError,
+)
 
 __all__ = ["AsyncLeaseKeeper", "LeaseKeeper"]
 
@@ -57,7 +64,7 @@ class _KeeperBase:
         clock: Callable[[], float],
         on_drop: Callable[[str], None] | None,
     ) -> None:
-        self.table = LeaseTable(max_idle=max_idle)
+        self.table = RenewalSchedule(max_idle=max_idle)
         self.heartbeat = heartbeat
         self.retry = retry or RetryPolicy()
         self.clock = clock

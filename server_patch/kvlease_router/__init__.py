@@ -17,7 +17,7 @@ from typing import Any
 __all__ = [
     "ROUTER_KEY",
     "ConfigError",
-    "ConversationState",
+    "ConversationRecord",
     "MemoryStore",
     "MissRateMonitor",
     "NodeSpec",
@@ -41,7 +41,7 @@ _WHERE = {
     "NodeSpec": "_settings",
     "RouterSettings": "_settings",
     "load_config_file": "_settings",
-    "ConversationState": "_store",
+    "ConversationRecord": "_store",
     "MemoryStore": "_store",
     "StateStore": "_store",
     "StoreError": "_store",

@@ -30,9 +30,9 @@ from kvlease.protocol import (
     ControlInfo,
     ProtocolError,
 )
-from kvlease_router._core import JSON_CT, Router, error_response, log
 from kvlease_router._flow import handle_turn
 from kvlease_router._lease_api import handle_release, handle_renew
+from kvlease_router._runtime import JSON_CT, RouterRuntime, error_response, log
 from kvlease_router._settings import ConfigError, RouterSettings
 from kvlease_router._store import StateStore
 from kvlease_router._upstreams import Node, Upstreams
@@ -40,7 +40,7 @@ from kvlease_router._validate import ClusterPlan, NodeFacts, plan_cluster
 
 __all__ = ["ROUTER_KEY", "create_app"]
 
-ROUTER_KEY: web.AppKey[Router] = web.AppKey("kvlease_router", Router)
+ROUTER_KEY: web.AppKey[RouterRuntime] = web.AppKey("kvlease_router", RouterRuntime)
 
 
 async def _get_json(session: aiohttp.ClientSession, url: str, headers: dict[str, str], timeout: float) -> Any:
@@ -51,7 +51,7 @@ async def _get_json(session: aiohttp.ClientSession, url: str, headers: dict[str,
         return orjson.loads(raw)
 
 
-async def _node_facts(router: Router, node: Node) -> NodeFacts:
+async def _node_facts(router: RouterRuntime, node: Node) -> NodeFacts:
     session, s = router.http(), router.settings
     if node.control is not None:
         data = await _get_json(
@@ -78,7 +78,7 @@ async def _node_facts(router: Router, node: Node) -> NodeFacts:
     )
 
 
-async def _validate(router: Router) -> ClusterPlan:
+async def _validate(router: RouterRuntime) -> ClusterPlan:
     s = router.settings
     if not s.validate:
         ttl = s.resolved_ttl(s.node_ttl)
@@ -96,7 +96,7 @@ async def _validate(router: Router) -> ClusterPlan:
     return plan_cluster(s, pf, df)
 
 
-async def _health_loop(router: Router) -> None:
+async def _health_loop(router: RouterRuntime) -> None:
     s = router.settings
     timeout = aiohttp.ClientTimeout(total=max(1.0, min(2.0, s.health_interval)))
     while True:
@@ -120,7 +120,7 @@ async def _health_loop(router: Router) -> None:
                 log.warning("%s node %s failed its health probes", node.role, node.url)
 
 
-def _lifespan(router: Router) -> Callable[[web.Application], AsyncIterator[None]]:
+def _lifespan(router: RouterRuntime) -> Callable[[web.Application], AsyncIterator[None]]:
     async def lifespan(app: web.Application) -> AsyncIterator[None]:
         s = router.settings
         connector = aiohttp.TCPConnector(
@@ -167,7 +167,7 @@ def _lifespan(router: Router) -> Callable[[web.Application], AsyncIterator[None]
     return lifespan
 
 
-def _status(router: Router) -> dict[str, Any]:
+def _status(router: RouterRuntime) -> dict[str, Any]:
     s, plan, now = router.settings, router.plan, time.monotonic()
     assert plan is not None
     return {
@@ -199,7 +199,7 @@ def create_app(
     """The router as an aiohttp app; run it with ``web.run_app`` or an ``AppRunner``."""
     if upstreams is None:
         upstreams = Upstreams(settings.prefill, settings.decode, settings.unhealthy_for)
-    router = Router(settings, store, upstreams)
+    router = RouterRuntime(settings, store, upstreams)
     app = web.Application(client_max_size=settings.max_body_bytes)
     app[ROUTER_KEY] = router
     app.cleanup_ctx.append(_lifespan(router))

@@ -31,10 +31,10 @@ from kvlease_router._continuity import (
     completion_continuity,
     completion_extends,
 )
-from kvlease_router._core import JSON_CT, Router, error_response, log
 from kvlease_router._identity import IdentityError, conversation_id_from, log_ref, tenant_from
 from kvlease_router._reuse import NEEDLE, capture_handle, decide_offer, judge_prefill, strip_params
-from kvlease_router._store import ConversationState
+from kvlease_router._runtime import JSON_CT, RouterRuntime, error_response, log
+from kvlease_router._store import ConversationRecord
 from kvlease_router._upstreams import Node
 
 __all__ = ["handle_turn"]
@@ -57,17 +57,17 @@ class _Turn:
     chat: bool
     body: dict[str, Any]
     key: str | None
-    state: ConversationState | None
+    state: ConversationRecord | None
     status: ReuseStatus = ReuseStatus.NO_ID
     reused: int = 0
 
 
-def _bad(message: str, router: Router) -> web.Response:
+def _bad(message: str, router: RouterRuntime) -> web.Response:
     router.metrics.client_errors.inc()
     return error_response(400, message)
 
 
-async def handle_turn(request: web.Request, router: Router, chat: bool) -> web.StreamResponse:
+async def handle_turn(request: web.Request, router: RouterRuntime, chat: bool) -> web.StreamResponse:
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
@@ -145,7 +145,7 @@ async def handle_turn(request: web.Request, router: Router, chat: bool) -> web.S
         router.metrics.in_flight.dec()
 
 
-def _headers(router: Router, request: web.Request) -> dict[str, str]:
+def _headers(router: RouterRuntime, request: web.Request) -> dict[str, str]:
     out = {"Content-Type": JSON_CT, "X-Request-Id": router.request_id()}
     for name in _FORWARD_HEADERS:
         v = request.headers.get(name)
@@ -172,7 +172,7 @@ _NOT_TAKEN = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError)
 
 
 async def _send(
-    router: Router, url: str, data: bytes, headers: dict[str, str], timeout: aiohttp.ClientTimeout
+    router: RouterRuntime, url: str, data: bytes, headers: dict[str, str], timeout: aiohttp.ClientTimeout
 ) -> aiohttp.ClientResponse:
     """POST with one quick retry when the connection failed before an answer (a full listen
     backlog, a keep-alive connection closed under us). A duplicate is harmless: P and D compute the
@@ -194,7 +194,7 @@ def _encoded(resp: aiohttp.ClientResponse) -> bool:
 
 
 async def _post_json(
-    router: Router, node: Node, path: str, data: bytes, headers: dict[str, str]
+    router: RouterRuntime, node: Node, path: str, data: bytes, headers: dict[str, str]
 ) -> dict[str, Any]:
     try:
         async with await _send(router, node.url + path, data, headers, router.prefill_timeout) as resp:
@@ -218,7 +218,7 @@ async def _post_json(
 
 
 async def _prefill(
-    router: Router, request: web.Request, turn: _Turn, handle: dict[str, Any] | None
+    router: RouterRuntime, request: web.Request, turn: _Turn, handle: dict[str, Any] | None
 ) -> dict[str, Any]:
     """P's answer; retries once without the handle if P fails with it, once on another P if down."""
     pool = router.upstreams.prefill
@@ -253,7 +253,7 @@ def _describe(e: Exception) -> str:
     return f"HTTP {e.status}" if isinstance(e, _Upstream4xx) else str(e)
 
 
-def _kvlease_headers(router: Router, turn: _Turn) -> dict[str, str]:
+def _kvlease_headers(router: RouterRuntime, turn: _Turn) -> dict[str, str]:
     return {
         HEADER_STATUS: turn.status.value,
         HEADER_REUSED_TOKENS: str(turn.reused),
@@ -261,7 +261,7 @@ def _kvlease_headers(router: Router, turn: _Turn) -> dict[str, str]:
     }
 
 
-def _stream_headers(router: Router, turn: _Turn) -> dict[str, str]:
+def _stream_headers(router: RouterRuntime, turn: _Turn) -> dict[str, str]:
     return {
         "Content-Type": "text/event-stream",
         "Cache-Control": "no-cache",
@@ -272,7 +272,7 @@ def _stream_headers(router: Router, turn: _Turn) -> dict[str, str]:
 
 
 async def _run(
-    request: web.Request, router: Router, turn: _Turn, handle: dict[str, Any] | None, stream: bool
+    request: web.Request, router: RouterRuntime, turn: _Turn, handle: dict[str, Any] | None, stream: bool
 ) -> web.StreamResponse:
     try:
         p_out = await _prefill(router, request, turn, handle)
@@ -294,13 +294,13 @@ async def _run(
     return await _decode(request, router, turn, orjson.dumps(d_body), stream)
 
 
-def _release_unused(router: Router, state: ConversationState) -> None:
+def _release_unused(router: RouterRuntime, state: ConversationRecord) -> None:
     """D keeps blocks that P did not read until the TTL: give them back now (kvlease only)."""
     if router.settings.kvlease_mode and state.control and state.lease_id:
         router.spawn(router.release_on_decode(state.control, [state.lease_id]))
 
 
-def _passthrough(router: Router, turn: _Turn, e: _Upstream4xx) -> web.Response:
+def _passthrough(router: RouterRuntime, turn: _Turn, e: _Upstream4xx) -> web.Response:
     body, content_type = e.body, e.content_type or JSON_CT
     if NEEDLE in body:
         try:
@@ -320,7 +320,7 @@ def _passthrough(router: Router, turn: _Turn, e: _Upstream4xx) -> web.Response:
 
 
 async def _decode(
-    request: web.Request, router: Router, turn: _Turn, d_body: bytes, stream: bool
+    request: web.Request, router: RouterRuntime, turn: _Turn, d_body: bytes, stream: bool
 ) -> web.StreamResponse:
     pool = router.upstreams.decode
     timeout = router.decode_timeout
@@ -366,13 +366,13 @@ async def _decode(
                 upstream.release()
 
 
-async def _forget_handle(router: Router, turn: _Turn, node: Node) -> None:
+async def _forget_handle(router: RouterRuntime, turn: _Turn, node: Node) -> None:
     if turn.key is not None and turn.state is not None and turn.state.params is not None:
         await router.store_put(turn.key, turn.state.without_handle())
 
 
 async def _store_capture(
-    router: Router, turn: _Turn, node: Node, params: object, returned: object, streamed: bool
+    router: RouterRuntime, turn: _Turn, node: Node, params: object, returned: object, streamed: bool
 ) -> None:
     """Remember D's new handle (or that there is none) for the conversation's next turn."""
     if turn.key is None:
@@ -391,7 +391,7 @@ async def _store_capture(
             else completion_continuity(turn.body.get("prompt"), returned)
         )
         continuity = c
-    state = ConversationState(
+    state = ConversationRecord(
         decode=node.url,
         params=cap.params if cap else None,
         lease_id=cap.lease_id if cap else None,
@@ -405,7 +405,7 @@ async def _store_capture(
     await router.store_put(turn.key, state)
 
 
-def _finish(router: Router, turn: _Turn, node: Node, t0: float) -> None:
+def _finish(router: RouterRuntime, turn: _Turn, node: Node, t0: float) -> None:
     router.metrics.decode_seconds.observe(time.perf_counter() - t0)
     router.metrics.turns[turn.status].inc()
     if turn.key is not None:
@@ -423,7 +423,7 @@ def _finish(router: Router, turn: _Turn, node: Node, t0: float) -> None:
 
 
 async def _relay_json(
-    router: Router, turn: _Turn, node: Node, upstream: aiohttp.ClientResponse, t0: float
+    router: RouterRuntime, turn: _Turn, node: Node, upstream: aiohttp.ClientResponse, t0: float
 ) -> web.Response:
     raw = await upstream.read()
     params = None
@@ -504,7 +504,12 @@ class _EventStream(web.StreamResponse):
 
 
 async def _relay_stream(
-    request: web.Request, router: Router, turn: _Turn, node: Node, upstream: aiohttp.ClientResponse, t0: float
+    request: web.Request,
+    router: RouterRuntime,
+    turn: _Turn,
+    node: Node,
+    upstream: aiohttp.ClientResponse,
+    t0: float,
 ) -> web.StreamResponse:
     resp = _EventStream(status=200, headers=_stream_headers(router, turn))
     await resp.prepare(request)

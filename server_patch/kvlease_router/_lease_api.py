@@ -24,14 +24,16 @@ from kvlease.protocol import (
     RenewResponse,
     validate_conversation_id,
 )
-from kvlease_router._core import JSON_CT, Router, error_response, log
 from kvlease_router._identity import tenant_from
-from kvlease_router._store import ConversationState, StoreError
+from kvlease_router._runtime import JSON_CT, RouterRuntime, error_response, log
+from kvlease_router._store import ConversationRecord, StoreError
 
 __all__ = ["handle_release", "handle_renew"]
 
 
-async def _renew_on(router: Router, control: str, lease_ids: list[str]) -> dict[str, float | None] | None:
+async def _renew_on(
+    router: RouterRuntime, control: str, lease_ids: list[str]
+) -> dict[str, float | None] | None:
     """D's new ``expires_in`` per lease id, or ``None`` when the control call failed."""
     s = router.settings
     body = orjson.dumps(ControlRenewRequest(tuple(lease_ids), router.ttl + s.ttl_margin).to_json())
@@ -53,7 +55,7 @@ async def _renew_on(router: Router, control: str, lease_ids: list[str]) -> dict[
         return None
 
 
-async def handle_renew(request: web.Request, router: Router) -> web.Response:
+async def handle_renew(request: web.Request, router: RouterRuntime) -> web.Response:
     try:
         req = RenewRequest.from_json(orjson.loads(await request.read()))
     except web.HTTPRequestEntityTooLarge:
@@ -65,7 +67,7 @@ async def handle_renew(request: web.Request, router: Router) -> web.Response:
     tenant = tenant_from(request.headers, router.settings.tenant_header)
     ids = list(dict.fromkeys(req.conversation_ids))
     keys = {cid: router.keyer.key(tenant, cid) for cid in ids}
-    states: dict[str, ConversationState | None] = {}
+    states: dict[str, ConversationRecord | None] = {}
     results = await asyncio.gather(*(router.store_get(keys[cid]) for cid in ids))
     for cid, (state, _ok) in zip(ids, results):
         states[cid] = state
@@ -100,7 +102,7 @@ async def handle_renew(request: web.Request, router: Router) -> web.Response:
             left = min(router.ttl, d_left - margin)
             leases[cid] = left
             router.metrics.renewals["renewed"].inc()
-            new = ConversationState(**{**state.__dict__, "expires_at": now + left})
+            new = ConversationRecord(**{**state.__dict__, "expires_at": now + left})
             writes.append(router.store_put(keys[cid], new, left + router.settings.expired_grace))
     if writes:
         await asyncio.gather(*writes)
@@ -108,12 +110,12 @@ async def handle_renew(request: web.Request, router: Router) -> web.Response:
     return web.Response(body=orjson.dumps(body), content_type=JSON_CT)
 
 
-def _lease_id(state: ConversationState | None) -> str:
+def _lease_id(state: ConversationRecord | None) -> str:
     assert state is not None and state.lease_id is not None
     return state.lease_id
 
 
-async def handle_release(request: web.Request, router: Router) -> web.Response:
+async def handle_release(request: web.Request, router: RouterRuntime) -> web.Response:
     raw_id = request.match_info.get("conversation_id", "")
     try:
         cid = validate_conversation_id(raw_id)

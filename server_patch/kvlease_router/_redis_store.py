@@ -12,7 +12,7 @@ import asyncio
 import time
 from typing import Any
 
-from kvlease_router._store import ConversationState, StoreError
+from kvlease_router._store import ConversationRecord, StoreError
 
 __all__ = ["RedisStore", "redis_client_from_url"]
 
@@ -60,20 +60,20 @@ class RedisStore:
             self._down_until = time.monotonic() + self._backoff
             raise StoreError(f"redis: {type(e).__name__}: {e}") from e
 
-    async def get(self, key: str) -> ConversationState | None:
+    async def get(self, key: str) -> ConversationRecord | None:
         raw = await self._call(self._client.get(self._prefix + key))
-        return None if raw is None else ConversationState.loads(raw)
+        return None if raw is None else ConversationRecord.loads(raw)
 
-    async def put(self, key: str, state: ConversationState, keep_for: float) -> None:
+    async def put(self, key: str, state: ConversationRecord, keep_for: float) -> None:
         ms = int(keep_for * 1000)
         if ms <= 0:
             await self._call(self._client.delete(self._prefix + key))
             return
         await self._call(self._client.set(self._prefix + key, state.dumps(), px=ms))
 
-    async def delete(self, key: str) -> ConversationState | None:
+    async def delete(self, key: str) -> ConversationRecord | None:
         raw = await self._call(self._client.getdel(self._prefix + key))
-        return None if raw is None else ConversationState.loads(raw)
+        return None if raw is None else ConversationRecord.loads(raw)
 
     async def ping(self) -> bool:
         try:

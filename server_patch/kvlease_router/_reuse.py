@@ -34,7 +34,7 @@ from kvlease.protocol import (
     ProtocolError,
     ReuseStatus,
 )
-from kvlease_router._store import ConversationState
+from kvlease_router._store import ConversationRecord
 
 __all__ = ["Captured", "Offer", "capture_handle", "decide_offer", "judge_prefill", "strip_params"]
 
@@ -48,7 +48,7 @@ class Offer:
 
 
 def decide_offer(
-    state: ConversationState | None,
+    state: ConversationRecord | None,
     now: float,
     *,
     opted_out: bool,

@@ -9,11 +9,9 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from kvlease._errors import ConfigError
+
 __all__ = ["ConfigError", "NodeSpec", "RouterSettings", "load_config_file"]
-
-
-class ConfigError(ValueError):
-    """The router configuration (or what the nodes report at start-up) is unusable."""
 
 
 @dataclass(frozen=True)
@@ -40,7 +38,7 @@ class RouterSettings:
     decode: tuple[NodeSpec, ...]
     #: Shared secret of the kvlease control endpoints (``Authorization: Bearer``).
     control_secret: str | None = None
-    #: Router lease TTL in seconds; ``None``: D's TTL minus the margin.
+    #: RouterRuntime lease TTL in seconds; ``None``: D's TTL minus the margin.
     ttl: float | None = None
     #: The router's lease always ends at least this many seconds before D's.
     ttl_margin: float = 5.0

@@ -1,7 +1,7 @@
 """Conversation state stores: the interface and the in-memory implementation.
 
 A store maps a tenant-scoped conversation key (see ``_identity``) to the last
-:class:`ConversationState` the router saw for it. TTL semantics, for every backend:
+:class:`ConversationRecord` the router saw for it. TTL semantics, for every backend:
 
 * ``put(key, state, keep_for)`` replaces the state; after ``keep_for`` seconds ``get`` returns
   ``None`` (the entry is gone). ``keep_for`` is the lease plus a grace period, so the router can tell
@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import orjson
 
-__all__ = ["ConversationState", "MemoryStore", "StateStore", "StoreError"]
+__all__ = ["ConversationRecord", "MemoryStore", "StateStore", "StoreError"]
 
 
 class StoreError(RuntimeError):
@@ -28,7 +28,7 @@ class StoreError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class ConversationState:
+class ConversationRecord:
     """What the router remembers about one conversation between turns."""
 
     #: URL of the decode node that served the last turn (decode affinity).
@@ -51,14 +51,14 @@ class ConversationState:
     def expires_in(self, now: float) -> float:
         return self.expires_at - now
 
-    def without_handle(self) -> ConversationState:
+    def without_handle(self) -> ConversationRecord:
         return replace(self, params=None, lease_id=None, control=None, tokens=0)
 
     def dumps(self) -> bytes:
         return orjson.dumps(asdict(self))
 
     @classmethod
-    def loads(cls, raw: bytes | str) -> ConversationState:
+    def loads(cls, raw: bytes | str) -> ConversationRecord:
         try:
             data = orjson.loads(raw)
             params = data["params"]
@@ -82,11 +82,11 @@ class StateStore(Protocol):
 
     name: str
 
-    async def get(self, key: str) -> ConversationState | None: ...
+    async def get(self, key: str) -> ConversationRecord | None: ...
 
-    async def put(self, key: str, state: ConversationState, keep_for: float) -> None: ...
+    async def put(self, key: str, state: ConversationRecord, keep_for: float) -> None: ...
 
-    async def delete(self, key: str) -> ConversationState | None: ...
+    async def delete(self, key: str) -> ConversationRecord | None: ...
 
     async def close(self) -> None: ...
 
@@ -99,20 +99,20 @@ class MemoryStore:
     """
 
     name = "memory"
-    local = True  # answers without I/O (see ``Router.store_is_local``)
+    local = True  # answers without I/O (see ``RouterRuntime.store_is_local``)
 
     def __init__(self, max_entries: int = 100_000, clock: Callable[[], float] = time.monotonic) -> None:
         if max_entries < 1:
             raise ValueError("max_entries must be at least 1")
         self._max = max_entries
         self._clock = clock
-        self._data: OrderedDict[str, tuple[float, ConversationState]] = OrderedDict()
+        self._data: OrderedDict[str, tuple[float, ConversationRecord]] = OrderedDict()
         self.evictions = 0
 
     def __len__(self) -> int:
         return len(self._data)
 
-    async def get(self, key: str) -> ConversationState | None:
+    async def get(self, key: str) -> ConversationRecord | None:
         item = self._data.get(key)
         if item is None:
             return None
@@ -123,7 +123,7 @@ class MemoryStore:
         self._data.move_to_end(key)
         return state
 
-    async def put(self, key: str, state: ConversationState, keep_for: float) -> None:
+    async def put(self, key: str, state: ConversationRecord, keep_for: float) -> None:
         if keep_for <= 0:
             self._data.pop(key, None)
             return
@@ -133,7 +133,7 @@ class MemoryStore:
             self._data.popitem(last=False)
             self.evictions += 1
 
-    async def delete(self, key: str) -> ConversationState | None:
+    async def delete(self, key: str) -> ConversationRecord | None:
         item = self._data.pop(key, None)
         if item is None or self._clock() >= item[0]:
             return None

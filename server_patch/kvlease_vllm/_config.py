@@ -18,6 +18,7 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, fields
 from typing import Any, Final
 
+from kvlease._errors import ConfigError
 from kvlease.protocol import CONTROL_SECRET_ENV, KV
 
 #: vLLM versions this connector is built and tested against: ``>=0.32,<0.33``.
@@ -32,10 +33,6 @@ BIDIR_KEY: Final = "bidirectional_kv_xfer"
 TTL_KEY: Final = "decoder_kv_blocks_ttl"
 UPSTREAM_TTL_DEFAULT: Final = 480.0
 UPSTREAM_THRESHOLD_DEFAULT: Final = 64
-
-
-class ConfigError(ValueError):
-    """The connector configuration is invalid; the message names the key."""
 
 
 class UnsupportedVLLMVersion(RuntimeError):

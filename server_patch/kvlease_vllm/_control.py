@@ -35,8 +35,8 @@ from kvlease.protocol import (
     ControlRenewResponse,
     ProtocolError,
 )
-from kvlease_vllm._leases import AddResult, LeaseTable
 from kvlease_vllm._metrics import CONTENT_TYPE_LATEST, ConnectorMetrics
+from kvlease_vllm._retention import AddResult, RetentionTable
 
 logger = logging.getLogger("vllm.kvlease.control")  # under vLLM's handler inside a server
 
@@ -44,11 +44,11 @@ MAX_BODY_BYTES: Final = 1 << 20
 
 
 class LeaseDesk:
-    """A :class:`LeaseTable` shared by the scheduler thread and the control endpoint's threads."""
+    """A :class:`RetentionTable` shared by the scheduler thread and the control endpoint's threads."""
 
     def __init__(
         self,
-        table: LeaseTable,
+        table: RetentionTable,
         metrics: ConnectorMetrics,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:

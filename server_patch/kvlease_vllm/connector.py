@@ -40,8 +40,8 @@ from kvlease_vllm._compat import (
 from kvlease_vllm._config import KVLeaseConfig, normalize_extra_config, recompute_policy
 from kvlease_vllm._control import ControlServer, LeaseDesk
 from kvlease_vllm._cost import CostModel
-from kvlease_vllm._leases import LeaseTable
 from kvlease_vllm._metrics import ConnectorMetrics
+from kvlease_vllm._retention import RetentionTable
 from kvlease_vllm._verify import (
     HandleRejected,
     Reason,
@@ -108,7 +108,7 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
         self.metrics = ConnectorMetrics()
         cap = int(kv_cache_config.num_blocks * cfg.max_retained_fraction)
         self.desk = LeaseDesk(
-            LeaseTable(cap, max_ttl=cfg.max_ttl_s, renew_guard=cfg.renew_guard_s), self.metrics
+            RetentionTable(cap, max_ttl=cfg.max_ttl_s, renew_guard=cfg.renew_guard_s), self.metrics
         )
         self.cost = CostModel(
             bytes_per_token=_bytes_per_token(kv_cache_config, self.block_size),

@@ -138,6 +138,7 @@ def test_public_api_is_pinned() -> None:
         "AsyncConversation",
         "AsyncKVLeaseClient",
         "AsyncLeaseKeeper",
+        "ConfigError",
         "Conversation",
         "HistoryClass",
         "InvalidConversationId",

@@ -18,7 +18,7 @@ from aiohttp import web
 
 from kvlease.protocol import CHAT_COMPLETIONS_PATH, HEADER_CONVERSATION_ID
 from kvlease_router import ROUTER_KEY, MemoryStore, NodeSpec, RouterSettings, create_app
-from kvlease_router._core import Router
+from kvlease_router._runtime import RouterRuntime
 from kvlease_stack.testing import FakeConfig, FakePair
 
 __all__ = ["Cluster", "Listener", "parse_sse", "reply_text", "running_cluster"]
@@ -34,7 +34,7 @@ class Cluster:
     client: aiohttp.ClientSession
 
     @property
-    def router(self) -> Router:
+    def router(self) -> RouterRuntime:
         return self.app[ROUTER_KEY]
 
     def received(self) -> list[tuple[str, dict[str, Any]]]:

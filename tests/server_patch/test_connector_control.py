@@ -20,8 +20,8 @@ from kvlease.protocol import (
     Role,
 )
 from kvlease_vllm._control import ControlServer, LeaseDesk, claim
-from kvlease_vllm._leases import LeaseTable
 from kvlease_vllm._metrics import ConnectorMetrics
+from kvlease_vllm._retention import RetentionTable
 
 SECRET = "s3cret"
 AUTH = {CONTROL_AUTH_HEADER: f"Bearer {SECRET}"}
@@ -55,7 +55,7 @@ def clock() -> Clock:
 
 @pytest.fixture
 def desk(clock: Clock) -> LeaseDesk:
-    d = LeaseDesk(LeaseTable(100, max_ttl=600.0, renew_guard=2.0), ConnectorMetrics(), clock=clock)
+    d = LeaseDesk(RetentionTable(100, max_ttl=600.0, renew_guard=2.0), ConnectorMetrics(), clock=clock)
     d.add("lease-a", 10, clock.now + 20)
     d.add("lease-b", 10, clock.now + 30)
     return d

@@ -19,7 +19,7 @@ from kvlease_router import (
     StateStore,
     create_app,
 )
-from kvlease_router._core import Router
+from kvlease_router._runtime import RouterRuntime
 from kvlease_stack.testing import FakeConfig, FakePair
 
 SECRET = "fake-secret"
@@ -36,7 +36,7 @@ class Cluster:
     extra: list[Any] = field(default_factory=list)
 
     @property
-    def router(self) -> Router:
+    def router(self) -> RouterRuntime:
         return self.app[ROUTER_KEY]
 
     async def chat(

@@ -11,7 +11,7 @@ from conftest import ClusterFactory, assistant_text
 
 from kvlease.protocol import HEADER_STATUS
 from kvlease_router import (
-    ConversationState,
+    ConversationRecord,
     MemoryStore,
     RedisStore,
     StateStore,
@@ -21,8 +21,8 @@ from kvlease_router import (
 from kvlease_stack.testing import RedisServer
 
 
-def _state(n: int = 0) -> ConversationState:
-    return ConversationState(
+def _state(n: int = 0) -> ConversationRecord:
+    return ConversationRecord(
         decode="http://d",
         params={"remote_block_ids": [1, 2, n], "remote_engine_id": "e"},
         lease_id=f"lease-{n}",

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlease.protocol import HEADER_STATUS, KV_TRANSFER_PARAMS, ReuseStatus
-from kvlease_router import ConversationState, MemoryStore
+from kvlease_router import ConversationRecord, MemoryStore
 from kvlease_router._flow import _rewrite_events
 from kvlease_router._reuse import NEEDLE, strip_params
 
@@ -36,7 +36,7 @@ class GatedStore(MemoryStore):
         self.gate = asyncio.Event()
         self.waiting = 0
 
-    async def put(self, key: str, state: ConversationState, keep_for: float) -> None:
+    async def put(self, key: str, state: ConversationRecord, keep_for: float) -> None:
         if self.closed:
             self.waiting += 1
             await self.gate.wait()

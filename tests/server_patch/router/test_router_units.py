@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from kvlease.protocol import ReuseStatus
-from kvlease_router import ConversationState, MissRateMonitor
+from kvlease_router import ConversationRecord, MissRateMonitor
 from kvlease_router._continuity import (
     chat_continuity,
     chat_extends,
@@ -26,8 +26,8 @@ HANDLE = {
 }
 
 
-def st(params: Any = HANDLE, expires_at: float = NOW + 10) -> ConversationState:
-    return ConversationState("http://d", params, "lease", None, 48, expires_at)
+def st(params: Any = HANDLE, expires_at: float = NOW + 10) -> ConversationRecord:
+    return ConversationRecord("http://d", params, "lease", None, 48, expires_at)
 
 
 @pytest.mark.parametrize(

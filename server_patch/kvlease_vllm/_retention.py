@@ -46,7 +46,7 @@ class AddResult:
 
 
 @dataclass
-class LeaseTable:
+class RetentionTable:
     capacity_blocks: int
     max_ttl: float = 3600.0
     renew_guard: float = 2.0

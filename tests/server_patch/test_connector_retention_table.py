@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from kvlease_vllm._leases import RELEASING_GRACE_S, LeaseTable
+from kvlease_vllm._retention import RELEASING_GRACE_S, RetentionTable
 
 
-def table(cap: int = 100, guard: float = 2.0, max_ttl: float = 3600.0) -> LeaseTable:
-    return LeaseTable(cap, max_ttl=max_ttl, renew_guard=guard)
+def table(cap: int = 100, guard: float = 2.0, max_ttl: float = 3600.0) -> RetentionTable:
+    return RetentionTable(cap, max_ttl=max_ttl, renew_guard=guard)
 
 
 # (deadline, now, ttl) -> expected new deadline (None: refused)

@@ -1,6 +1,6 @@
 """The router's shared runtime: settings, store, pools, metrics and the HTTP client session.
 
-One :class:`Router` per app, created by ``create_app`` and filled in by its lifespan (no globals).
+One :class:`RouterRuntime` per app, created by ``create_app`` and filled in by its lifespan (no globals).
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from kvlease.protocol import CONTROL_AUTH_HEADER, CONTROL_RELEASE_PATH, ControlR
 from kvlease_router._identity import Keyer, log_ref
 from kvlease_router._metrics import MissRateMonitor, RouterMetrics
 from kvlease_router._settings import RouterSettings
-from kvlease_router._store import ConversationState, StateStore, StoreError
+from kvlease_router._store import ConversationRecord, StateStore, StoreError
 from kvlease_router._upstreams import Upstreams
 from kvlease_router._validate import ClusterPlan
 
-__all__ = ["RequestIds", "Router", "error_response", "log"]
+__all__ = ["RequestIds", "RouterRuntime", "error_response", "log"]
 
 log = logging.getLogger("kvlease.router")
 
@@ -57,7 +57,7 @@ def error_response(status: int, message: str, code: str = "invalid_request_error
 
 
 @dataclass
-class Router:
+class RouterRuntime:
     settings: RouterSettings
     store: StateStore
     upstreams: Upstreams
@@ -108,7 +108,7 @@ class Router:
         return {CONTROL_AUTH_HEADER: f"Bearer {self.settings.control_secret}", "Content-Type": JSON_CT}
 
     # ---- store access that degrades ----------------------------------------------------------
-    async def store_get(self, key: str) -> tuple[ConversationState | None, bool]:
+    async def store_get(self, key: str) -> tuple[ConversationRecord | None, bool]:
         """(state, ok): ``ok`` is False when the store failed (the turn takes the miss path)."""
         try:
             return await self.store.get(key), True
@@ -117,7 +117,7 @@ class Router:
             log.warning("state store get failed: %s", e, extra={"conv": log_ref(key)})
             return None, False
 
-    async def store_put(self, key: str, state: ConversationState, keep_for: float | None = None) -> bool:
+    async def store_put(self, key: str, state: ConversationRecord, keep_for: float | None = None) -> bool:
         try:
             await self.store.put(key, state, self.keep_for if keep_for is None else keep_for)
             return True

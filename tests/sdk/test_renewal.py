@@ -7,14 +7,14 @@ import json
 import pytest
 
 from kvlease import LeaseError, protocol
-from kvlease._leases import LeaseTable, LeaseWire, RenewBatch, TransientLeaseError
+from kvlease._renewal import LeaseWire, RenewalSchedule, RenewBatch, TransientLeaseError
 
 R1, R2 = "http://r1:8000", "http://r2:8000"
 AUTH = {"authorization": "Bearer k"}
 
 
-def _table(max_idle: float = 1000.0) -> LeaseTable:
-    return LeaseTable(max_idle=max_idle)
+def _table(max_idle: float = 1000.0) -> RenewalSchedule:
+    return RenewalSchedule(max_idle=max_idle)
 
 
 def test_nothing_due_before_sixty_percent_of_ttl() -> None:
@@ -155,4 +155,4 @@ def test_short_remaining_times_are_floored_at_a_tenth_of_the_ttl() -> None:
     t2.renewed(b, protocol.RenewResponse(leases={"c": 2.0}, ttl=30.0), 18.0)  # moved to 20
     assert t2.next_wakeup() == pytest.approx(21.0)  # 10 % of the TTL, not 1.2 s
     with pytest.raises(ValueError, match="min_fraction"):
-        LeaseTable(max_idle=10.0, min_fraction=0.0)
+        RenewalSchedule(max_idle=10.0, min_fraction=0.0)

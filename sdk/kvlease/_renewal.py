@@ -1,6 +1,6 @@
 """The lease keeper's state machine: sans-IO, takes ``now`` and returns decisions.
 
-A :class:`LeaseTable` holds the open leases of one wrapped client, grouped by router. Each router has
+A :class:`RenewalSchedule` holds the open leases of one wrapped client, grouped by router. Each router has
 one renewal deadline: every ``renew_fraction`` (60 %) of the shortest TTL it announced, *all* its
 open conversations are renewed with one batched ``POST /v1/kvlease/renew``; so 10,000 conversations
 cost one request per period and a few hundred bytes each. A conversation idle for longer than
@@ -26,7 +26,7 @@ from typing import Any, Final
 from kvlease import protocol
 from kvlease._errors import LeaseError
 
-__all__ = ["LeaseTable", "LeaseWire", "ReleaseOrder", "RenewBatch", "RetryPolicy", "TransientLeaseError"]
+__all__ = ["LeaseWire", "ReleaseOrder", "RenewBatch", "RenewalSchedule", "RetryPolicy", "TransientLeaseError"]
 
 _STUCK_FRACTION: Final = 0.02  # deadlines this close (of the TTL) count as not moved by a renewal
 _RETRY_STATUS: Final = frozenset({408, 425, 429, 500, 502, 503, 504})
@@ -82,7 +82,7 @@ class _Router:
         self.leases: dict[str, _Lease] = {}
 
 
-class LeaseTable:
+class RenewalSchedule:
     """Open leases of one client, per router (see the module docstring). Not thread-safe: the IO
     shells hold a lock around it."""
 

@@ -1,6 +1,6 @@
 """Lease table invariants under random operation sequences (hypothesis stateful testing).
 
-Drives the decode node's :class:`LeaseTable` (connector) and the router's :class:`MemoryStore` with
+Drives the decode node's :class:`RetentionTable` (connector) and the router's :class:`MemoryStore` with
 random operations on an advancing clock, and checks after every step: no renewal after release,
 deadlines monotone under renew, the retention cap respected, pinned leases never released early.
 """
@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from kvlease_router import ConversationState, MemoryStore
-from kvlease_vllm._leases import RELEASING_GRACE_S, LeaseTable
+from kvlease_router import ConversationRecord, MemoryStore
+from kvlease_vllm._retention import RELEASING_GRACE_S, RetentionTable
 
 IDS = st.sampled_from([f"l{i}" for i in range(8)])
 STATEFUL = settings(
@@ -24,14 +24,14 @@ STATEFUL = settings(
 )
 
 
-class LeaseTableMachine(RuleBasedStateMachine):
+class RetentionTableMachine(RuleBasedStateMachine):
     @initialize(
         capacity=st.integers(0, 40),
         max_ttl=st.floats(1.0, 100.0),
         guard=st.sampled_from([0.0, 0.5, 2.0]),
     )
     def setup(self, capacity: int, max_ttl: float, guard: float) -> None:
-        self.table = LeaseTable(capacity, max_ttl=max_ttl, renew_guard=guard)
+        self.table = RetentionTable(capacity, max_ttl=max_ttl, renew_guard=guard)
         self.now = 1000.0
         self.gone: set[str] = set()  # released or forgotten: must never come back through renew
         self.deadline: dict[str, float] = {}  # last deadline seen per live lease
@@ -144,8 +144,8 @@ class LeaseTableMachine(RuleBasedStateMachine):
             assert all(self.now - lease.deadline <= RELEASING_GRACE_S for lease in self.table)
 
 
-TestLeaseTable = LeaseTableMachine.TestCase
-TestLeaseTable.settings = STATEFUL
+TestRetentionTable = RetentionTableMachine.TestCase
+TestRetentionTable.settings = STATEFUL
 
 
 # ---- the router's in-memory store -------------------------------------------------------------
@@ -169,7 +169,7 @@ class MemoryStoreMachine(RuleBasedStateMachine):
         self.now = 0.0
         self.max_entries = max_entries
         self.store = MemoryStore(max_entries, clock=lambda: self.now)
-        self.last: dict[str, tuple[ConversationState, float]] = {}  # last put and its end
+        self.last: dict[str, tuple[ConversationRecord, float]] = {}  # last put and its end
         self.n = 0
 
     @rule(dt=st.floats(0.0, 20.0))
@@ -179,7 +179,7 @@ class MemoryStoreMachine(RuleBasedStateMachine):
     @rule(key=KEYS, keep_for=st.floats(-1.0, 30.0))
     def put(self, key: str, keep_for: float) -> None:
         self.n += 1
-        state = ConversationState("d", None, None, None, self.n, self.now + keep_for)
+        state = ConversationRecord("d", None, None, None, self.n, self.now + keep_for)
         _run(self.store.put(key, state, keep_for))
         if keep_for > 0:
             self.last[key] = (state, self.now + keep_for)

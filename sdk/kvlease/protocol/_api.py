@@ -1,0 +1,155 @@
+"""Identity, headers, statuses and the lease API: client <-> router."""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from kvlease.protocol._common import RENEW_MAX_IDS, InvalidConversationId, ProtocolError, _is_number
+
+# --------------------------------------------------------------------------------------------------
+# Client -> router
+# --------------------------------------------------------------------------------------------------
+
+#: Conversation identity, first found wins (headers are matched case-insensitively).
+HEADER_CONVERSATION_ID: Final = "X-Conversation-Id"
+BODY_CONVERSATION_ID: Final = "conversation_id"  # vLLM multi-turn proxy compatibility; stripped
+HEADER_SESSION_ID: Final = "X-Session-Id"
+BODY_PROMPT_CACHE_KEY: Final = "prompt_cache_key"
+
+#: Per-turn opt-out of KV reuse (sent by the SDK on a stripped trace or an edited history).
+HEADER_REUSE: Final = "X-KVLease-Reuse"
+REUSE_OFF: Final = "off"
+
+#: Optional tenant header (the router is configured to trust it, else the bearer token is used).
+DEFAULT_TENANT_HEADER: Final = "X-KVLease-Tenant"
+
+#: Conversation ids: 1-128 characters of [A-Za-z0-9._:-].
+CONVERSATION_ID_MAX_LEN: Final = 128
+CONVERSATION_ID_PATTERN: Final = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+
+# --------------------------------------------------------------------------------------------------
+# Router -> client
+# --------------------------------------------------------------------------------------------------
+
+HEADER_STATUS: Final = "X-KVLease-Status"
+HEADER_REUSED_TOKENS: Final = "X-KVLease-Reused-Tokens"
+HEADER_TTL: Final = "X-KVLease-TTL"
+
+#: Every kvlease response header, for code that copies or strips them.
+RESPONSE_HEADERS: Final = (HEADER_STATUS, HEADER_REUSED_TOKENS, HEADER_TTL)
+
+
+class ReuseStatus(str, enum.Enum):
+    """What happened to KV reuse on one turn (value of ``X-KVLease-Status``)."""
+
+    HIT = "hit"  # P pulled D's blocks (some or all of the prompt was not recomputed)
+    MISS = "miss"  # a handle was expected but none was usable (evicted, declined, no capture)
+    FIRST = "first"  # first turn of a conversation: nothing to reuse yet
+    EXPIRED = "expired"  # the lease on D ran out before this turn
+    MISMATCH = "mismatch"  # the new prompt does not extend what D holds
+    DISABLED = "disabled"  # reuse switched off (client opt-out, router config)
+    NO_ID = "no-id"  # the request carried no conversation id
+    ERROR = "error"  # the reuse path failed; the turn was recomputed
+
+    @classmethod
+    def parse(cls, value: str | None) -> ReuseStatus | None:
+        """The status for a header value, or ``None`` for absent/unknown values (plain vLLM)."""
+        if value is None:
+            return None
+        try:
+            return cls(value.strip().lower())
+        except ValueError:
+            return None
+
+
+# --------------------------------------------------------------------------------------------------
+# Lease API on the router (same auth as chat)
+# --------------------------------------------------------------------------------------------------
+
+CHAT_COMPLETIONS_PATH: Final = "/v1/chat/completions"
+COMPLETIONS_PATH: Final = "/v1/completions"
+RENEW_PATH: Final = "/v1/kvlease/renew"
+CONVERSATIONS_PATH: Final = "/v1/kvlease/conversations"  # DELETE {CONVERSATIONS_PATH}/{id}
+STATUS_PATH: Final = "/v1/kvlease/status"
+METRICS_PATH: Final = "/metrics"
+HEALTH_PATH: Final = "/health"
+
+LEASE_UNKNOWN: Final = "unknown"
+
+
+def validate_conversation_id(value: object) -> str:
+    """Return ``value`` if it is a valid conversation id, else raise :class:`InvalidConversationId`."""
+    if not isinstance(value, str):
+        raise InvalidConversationId(f"conversation id must be a string, not {type(value).__name__}")
+    if not value:
+        raise InvalidConversationId("conversation id must not be empty")
+    if len(value) > CONVERSATION_ID_MAX_LEN:
+        raise InvalidConversationId(
+            f"conversation id is {len(value)} characters long; at most {CONVERSATION_ID_MAX_LEN} allowed"
+        )
+    if CONVERSATION_ID_PATTERN.fullmatch(value) is None:
+        raise InvalidConversationId("conversation id may contain only letters, digits and . _ : -")
+    return value
+
+
+def conversation_path(conversation_id: str) -> str:
+    """Path of the release endpoint for one conversation."""
+    return f"{CONVERSATIONS_PATH}/{validate_conversation_id(conversation_id)}"
+
+
+@dataclass(frozen=True)
+class RenewRequest:
+    """``POST /v1/kvlease/renew`` body: ``{"conversation_ids": [...]}``."""
+
+    conversation_ids: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"conversation_ids": list(self.conversation_ids)}
+
+    @classmethod
+    def from_json(cls, data: object) -> RenewRequest:
+        if not isinstance(data, Mapping):
+            raise ProtocolError("renew body must be a JSON object")
+        ids = data.get("conversation_ids")
+        if not isinstance(ids, list):
+            raise ProtocolError("conversation_ids must be a list of strings")
+        if len(ids) > RENEW_MAX_IDS:
+            raise ProtocolError(f"at most {RENEW_MAX_IDS} conversation_ids per renew request")
+        return cls(tuple(validate_conversation_id(i) for i in ids))
+
+
+@dataclass(frozen=True)
+class RenewResponse:
+    """``POST /v1/kvlease/renew`` answer.
+
+    JSON: ``{"ttl": 300.0, "leases": {"<id>": {"expires_in": 291.5} | {"status": "unknown"}}}``.
+    ``expires_in`` is seconds from now; ``None`` in :attr:`leases` means unknown (no lease: stop
+    renewing it).
+    """
+
+    leases: Mapping[str, float | None]
+    ttl: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for cid, exp in self.leases.items():
+            out[cid] = {"status": LEASE_UNKNOWN} if exp is None else {"expires_in": round(exp, 3)}
+        body: dict[str, Any] = {"leases": out}
+        if self.ttl is not None:
+            body["ttl"] = self.ttl
+        return body
+
+    @classmethod
+    def from_json(cls, data: object) -> RenewResponse:
+        if not isinstance(data, Mapping) or not isinstance(data.get("leases"), Mapping):
+            raise ProtocolError("renew response must be an object with a 'leases' object")
+        leases: dict[str, float | None] = {}
+        for cid, item in data["leases"].items():
+            exp = item.get("expires_in") if isinstance(item, Mapping) else None
+            leases[str(cid)] = float(exp) if _is_number(exp) else None
+        ttl = data.get("ttl")
+        return cls(leases, float(ttl) if _is_number(ttl) else None)

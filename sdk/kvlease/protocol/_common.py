@@ -1,0 +1,57 @@
+"""Shared by every part of the contract: the protocol version, the parse errors, field readers."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any, Final, TypeGuard
+
+PROTOCOL_VERSION: Final = 1
+
+
+class ProtocolError(ValueError):
+    """A message of the wire contract is malformed; the text names the field."""
+
+
+class InvalidConversationId(ProtocolError):
+    """A conversation id is empty, longer than 128 characters or has characters outside [A-Za-z0-9._:-]."""
+
+
+# --------------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------------
+
+
+#: Upper bound of ids in one renew request (the lease API and the control endpoint).
+RENEW_MAX_IDS: Final = 10_000
+
+
+def _is_number(v: object) -> TypeGuard[int | float]:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _int_field(data: Mapping[str, Any], name: str, lo: int, hi: int) -> int:
+    v = data.get(name)
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise ProtocolError(f"{name} must be an integer in [{lo}, {hi}], got {v!r}")
+    return v
+
+
+def _id_list(data: object, name: str, limit: int = RENEW_MAX_IDS) -> tuple[str, ...]:
+    if not isinstance(data, Mapping):
+        raise ProtocolError("body must be a JSON object")
+    ids = data.get(name)
+    if not isinstance(ids, list) or len(ids) > limit:
+        raise ProtocolError(f"{name} must be a list of at most {limit} strings")
+    if not all(isinstance(i, str) and 0 < len(i) <= 512 for i in ids):
+        raise ProtocolError(f"{name} must contain non-empty strings of at most 512 characters")
+    return tuple(ids)
+
+
+def header_lookup(headers: Iterable[tuple[str, str]], name: str) -> str | None:
+    """Case-insensitive first value of ``name`` among ``(key, value)`` pairs."""
+    low = name.lower()
+    for k, v in headers:
+        if k.lower() == low:
+            return v
+    return None
