@@ -17,6 +17,8 @@ for u in ${PREFILL_URLS}; do args+=(--prefill "$u"); done
 for u in ${PREFILL_CONTROL_URLS}; do args+=(--prefill-control "$u"); done
 for u in ${DECODE_URLS}; do args+=(--decode "$u"); done
 for u in ${DECODE_CONTROL_URLS}; do args+=(--decode-control "$u"); done
+# the router reads its HMAC key from KVLEASE_ROUTER_KEY_SECRET (kept out of the command line)
+export KVLEASE_ROUTER_KEY_SECRET="${KVLEASE_KEY_SECRET}"
 exec kvlease router "${args[@]}" \
   --state "${REDIS_URL:-redis://127.0.0.1:6379/0}" \
   --upstream-connections "${UPSTREAM_CONNECTIONS:-256}" \

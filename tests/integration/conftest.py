@@ -32,12 +32,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.timeout(INTEGRATION_TEST_TIMEOUT_S))
 
 
+def _setup_progress(config: pytest.Config) -> Callable[[str], None]:
+    """Provisioning's progress: every line to stderr (captured like other output), and its
+    ``one-time set-up`` steps (what, how long it usually takes, where it is cached) to the terminal
+    as well, so a fresh machine's first integration test does not sit silent for minutes."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+
+    def say(msg: str) -> None:
+        print(f"[kvlease stack] {msg}", file=sys.stderr, flush=True)
+        if msg.startswith("one-time set-up") and reporter is not None:
+            reporter.write_line(f"[kvlease stack] {msg}")
+
+    return say
+
+
 class _StackPool:
     """Holds at most one running pair. A start that fails is retried once, on fresh ports (a start
     can get stuck on a crowded machine); a spec that failed both times fails again at once (with
     the first error) instead of costing more start-up deadlines in every following test."""
 
-    def __init__(self) -> None:
+    def __init__(self, progress: Callable[[str], None] | None = None) -> None:
+        self.progress = progress
         self.current: Stack | None = None
         self.failed: list[tuple[StackSpec, BaseException]] = []
 
@@ -50,11 +65,11 @@ class _StackPool:
                 raise RuntimeError(f"the stack for this spec failed to start earlier in the session: {err}")
         self.close()
         try:
-            self.current = Stack.start(spec, timeout=STACK_TIMEOUT_S)
+            self.current = Stack.start(spec, timeout=STACK_TIMEOUT_S, progress=self.progress)
         except Exception as first:
             print(f"stack start failed, retrying once: {first}", file=sys.stderr)
             try:
-                self.current = Stack.start(spec, timeout=STACK_TIMEOUT_S)
+                self.current = Stack.start(spec, timeout=STACK_TIMEOUT_S, progress=self.progress)
             except Exception as err:
                 self.failed.append((spec, err))
                 raise
@@ -69,9 +84,9 @@ class _StackPool:
 
 
 @pytest.fixture(scope="session")
-def stack_pool() -> Iterator[_StackPool]:
+def stack_pool(pytestconfig: pytest.Config) -> Iterator[_StackPool]:
     """The session's one running pair (``.get(spec)``, ``.close()`` to stop it)."""
-    pool = _StackPool()
+    pool = _StackPool(_setup_progress(pytestconfig))
     try:
         yield pool
     finally:
@@ -91,9 +106,9 @@ def stack(stack_factory: Callable[[StackSpec], Stack]) -> Stack:
 
 
 @pytest.fixture(scope="session")
-def vllm_python() -> Path:
+def vllm_python(pytestconfig: pytest.Config) -> Path:
     """The vLLM venv's interpreter (provisioned if missing)."""
-    return Path(ensure_venv())
+    return Path(ensure_venv(progress=_setup_progress(pytestconfig)))
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,150 @@
+"""``benchmarks/_report.py`` renders a results.json as RESULTS.md tables and PNG plots, without
+running any benchmark."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+MACHINE = {"cpu": "Test CPU", "cores": 2, "memory": "8 GiB", "python": "3.11.7", "os": "Linux"}
+
+
+def _entry(name: str, result: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "command": f"python benchmarks/run.py {name}",
+        "when": "2026-01-02",
+        "machine": MACHINE,
+        "wall_s": 3.0,
+        "result": result,
+    }
+
+
+RESULTS = {
+    "analyze": _entry(
+        "analyze",
+        {
+            "lines": 1000,
+            "goal_lines_per_s": 200_000,
+            "goal_met": True,
+            "orjson": {"lines_per_s": 250_000},
+            "json": {"lines_per_s": 120_000},
+            "peak_rss_mib": 50.0,
+            "peak_rss_mib_2x_lines": 50.5,
+        },
+    ),
+    "ttft": _entry(
+        "ttft",
+        {
+            "sizes": [1024, 2048],
+            "results": {
+                "kvlease/prefix_cache=off": {
+                    "1024": {"pull": 100.0, "recompute": 1200.0, "edited": 700.0},
+                    "2048": {"pull": 150.0, "recompute": 3000.0, "edited": 1800.0},
+                },
+                "nixl/prefix_cache=off": {
+                    "1024": {"pull": 110.0, "recompute": 1190.0},
+                    "2048": {"pull": 150.0, "recompute": 2900.0},
+                },
+            },
+            "pull_vs_upstream": {"prefix_cache=off": {"1024": 0.91, "2048": 1.0}},
+        },
+    ),
+    "trace": _entry(
+        "trace",
+        {
+            "follow_up_turns": 10,
+            "pauses_beyond_ttl": 4,
+            "d_ttl_s": 15.0,
+            "arms": {
+                "fixed-ttl": {
+                    "reuse_share": 0.6,
+                    "reuse_share_after_long_pause": 0.0,
+                    "median_ttft_ms": 5000.0,
+                },
+                "heartbeats": {
+                    "reuse_share": 1.0,
+                    "reuse_share_after_long_pause": 1.0,
+                    "median_ttft_ms": 1000.0,
+                },
+                "no-reuse": {
+                    "reuse_share": 0.0,
+                    "reuse_share_after_long_pause": 0.0,
+                    "median_ttft_ms": 6000.0,
+                },
+            },
+        },
+    ),
+    "newbench": _entry(
+        "newbench", {"turns_per_min": 1_500_000.0, "nested": {"ok": True}, "goal": ">= 1M", "goal_met": True}
+    ),
+}
+
+
+@pytest.fixture()
+def report(monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.syspath_prepend(str(BENCH))
+    yield importlib.import_module("_report")
+    sys.modules.pop("_report", None)
+
+
+def _rows(md: str) -> list[list[str]]:
+    return [
+        [c.strip() for c in line.strip("|").split(" | ")] for line in md.splitlines() if line.startswith("| ")
+    ]
+
+
+def test_renders_tables_and_plots_from_results_json(tmp_path: Path, report: Any) -> None:
+    store = tmp_path / "results.json"
+    store.write_text(json.dumps(RESULTS))
+    assert report.main(["--results", str(store)]) == 0
+    md = (tmp_path / "RESULTS.md").read_text()
+    rows = _rows(md)
+    assert ["figure", "goal", "anchor", "measured", "command", "date", "machine"] in rows
+    machine = "2 cores (Test CPU), 8 GiB, Python 3.11.7"
+    assert [
+        "analyzer throughput (1,000 lines)",
+        ">= 200,000 lines/s",
+        "stdlib json: 120,000 lines/s",
+        "250,000 lines/s (orjson) (met)",
+        "`python benchmarks/run.py analyze`",
+        "2026-01-02",
+        machine,
+    ] in rows
+    assert [
+        "turn-2 prefill, 1,024-token history: kvlease pull",
+        "within 10 % of upstream's pull",
+        "upstream pull 110 ms; recompute 1200 ms",
+        "100 ms (12.0x faster than recompute, 0.91x upstream) (met)",
+    ] in rows
+    assert ["heartbeats: median TTFT", "—", "no reuse: 6.0 s", "1.0 s"] in rows
+    # a benchmark without a dedicated summary still gets a table of its figures
+    assert ["turns_per_min", "—", "—", "1.5e+06"] in rows and ["nested.ok", "—", "—", "True"] in rows
+    assert ["`python benchmarks/run.py ttft`", "2026-01-02", machine + ", real vLLM CPU stack", "3 s"] in rows
+    for png in ("ttft_history.png", "pull_vs_recompute.png", "hit_rate_pause.png"):
+        data = (tmp_path / png).read_bytes()
+        assert data.startswith(b"\x89PNG") and len(data) < 200_000
+        assert f"]({png})" in md
+    assert "```json" not in md  # tables, not dumps; the raw figures stay in results.json
+
+
+def test_a_result_of_another_shape_falls_back_to_its_figures(report: Any) -> None:
+    md = report.render_markdown({"ttft": _entry("ttft", {"median_ms": 12.5})})
+    assert ["median_ms", "—", "—", "12.5"] in _rows(md)
+
+
+def test_run_report_only_renders_without_running(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(BENCH))
+    run = importlib.import_module("run")
+    monkeypatch.setattr(run, "HERE", tmp_path)
+    (tmp_path / "results.json").write_text(json.dumps({"analyze": RESULTS["analyze"]}))
+    monkeypatch.setattr(run, "BENCHMARKS", {"analyze": ("no_such_module", "Analyzer", False)})
+    assert run.main(["--report-only"]) == 0
+    assert "## Analyzer" in (tmp_path / "RESULTS.md").read_text()
+    sys.modules.pop("run", None)
+    sys.modules.pop("_report", None)
