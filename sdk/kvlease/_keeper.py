@@ -1,6 +1,11 @@
 """The lease keeper: IO shells (one thread, or one asyncio task, per wrapped client) over
 :class:`~kvlease._renewal.RenewalSchedule`.
 
+``_KeeperBase`` holds what both shells do without IO: a renewal round (:meth:`_round_steps` yields
+the releases and renewals the schedule decided, :meth:`_settle` applies an answer or a failure), the
+lease requests with their counters and error mapping, the one tenacity policy, the wait before the
+next round. The shells add the thread or task, the HTTP calls and the sleep, and differ in ``await``.
+
 Renewals are retried with tenacity (attempts | delay, exponential backoff with jitter, only
 :class:`TransientLeaseError`); the sleep between attempts is interruptible by ``close()`` and can be
 injected. Nothing here raises into agent code: failures are logged and the lease simply runs out, so
@@ -11,11 +16,12 @@ conversation's last chat request and go through the user's own HTTP client.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any
 
 from tenacity import (
@@ -55,6 +61,8 @@ def _log_retry(state: RetryCallState) -> None:
 
 
 class _KeeperBase:
+    """What :class:`LeaseKeeper` and :class:`AsyncLeaseKeeper` share (see the module docstring)."""
+
     def __init__(
         self,
         *,
@@ -85,19 +93,106 @@ class _KeeperBase:
     def __contains__(self, conversation_id: object) -> bool:
         return conversation_id in self.table
 
-    def _stop(self) -> Any:
-        return stop_after_attempt(self.retry.attempts) | stop_after_delay(self.retry.max_delay_s)
-
-    def _wait(self) -> Any:
+    def _retry_policy(self) -> dict[str, Any]:
+        """The tenacity policy of one renew request (the shells add their ``sleep``)."""
         p = self.retry
         try:  # tenacity >= 9.2 names the first wait "multiplier" (and deprecates "initial")
-            return wait_exponential_jitter(multiplier=p.initial_wait_s, max=p.max_wait_s, jitter=p.jitter_s)
+            wait = wait_exponential_jitter(multiplier=p.initial_wait_s, max=p.max_wait_s, jitter=p.jitter_s)
         except TypeError:  # pragma: no cover - older tenacity
-            return wait_exponential_jitter(initial=p.initial_wait_s, max=p.max_wait_s, jitter=p.jitter_s)
+            wait = wait_exponential_jitter(initial=p.initial_wait_s, max=p.max_wait_s, jitter=p.jitter_s)
+        return {
+            "stop": stop_after_attempt(p.attempts) | stop_after_delay(p.max_delay_s),
+            "wait": wait,
+            "retry": retry_if_exception_type(TransientLeaseError),
+            "before_sleep": _log_retry,
+            "reraise": True,
+        }
 
     def _needs_wakeup(self, due: float) -> bool:
         """Under the lock: does a lease due at ``due`` come before the loop's own wakeup?"""
         return self._sleeping_until is None or due < self._sleeping_until
+
+    def _wait_timeout(self) -> float | None:
+        """Before the loop waits: how long until the next renewal is due (``None``: none is)."""
+        with self.lock:
+            wake = self._sleeping_until = self.table.next_wakeup()
+        return None if wake is None else max(0.0, wake - self.clock())
+
+    def _awake(self) -> None:
+        with self.lock:
+            self._sleeping_until = -math.inf  # awake: reads the table before it waits again
+
+    @contextlib.contextmanager
+    def _contained(self) -> Iterator[None]:
+        """Around a round: a close stops it quietly, a failure is logged; nothing reaches agent code."""
+        try:
+            yield
+        except _Stopped:
+            pass
+        except Exception:  # never let the keeper die or raise
+            log.exception("kvlease: renewal round failed")
+
+    def _forget(self, conversation_id: str) -> ReleaseOrder | None:
+        with self.lock:
+            return self.table.forget(conversation_id)
+
+    def _closing(self) -> list[ReleaseOrder] | None:
+        """What ``close()`` releases; ``None`` when already closed."""
+        with self.lock:
+            if self.closed:
+                return None
+            self.closed = True
+            return self.table.forget_all()
+
+    # ------------------------------------------------------------------ the round, without IO
+    def _round_steps(self, now: float, *, force: bool) -> Iterator[ReleaseOrder | RenewBatch]:
+        """One renewal round: the shell releases each order it is given and renews each batch
+        (with retries), then hands the answer or the error to :meth:`_settle`."""
+        with self.lock:
+            batches, idle = self.table.due(now, force=force)
+        for order in idle:
+            log.info(
+                "kvlease: conversation %s idle for more than %.0f s: released",
+                order.conversation_id,
+                self.table.max_idle,
+            )
+            yield order
+            self._dropped(order.conversation_id)
+        yield from batches
+
+    def _settle(self, batch: RenewBatch, outcome: protocol.RenewResponse | LeaseError) -> None:
+        if not isinstance(outcome, LeaseError):
+            self._record(lambda: self.table.renewed(batch, outcome, self.clock()), "unknown to the router")
+            return
+        self.renew_failures += 1
+        log.warning(
+            "kvlease: renewing %d conversation(s) on %s failed: %s",
+            len(batch.conversation_ids),
+            batch.root,
+            outcome,
+        )
+        permanent = not outcome.transient
+        self._record(lambda: self.table.failed(batch, self.clock(), permanent=permanent), "renew failed")
+
+    @contextlib.contextmanager
+    def _renewing(self, batch: RenewBatch) -> Iterator[tuple[str, bytes, dict[str, str]]]:
+        """Around one renew request: counts it; an HTTP error is a :class:`TransientLeaseError`."""
+        request = LeaseWire.renew_request(batch)
+        self.renew_requests += 1
+        try:
+            yield request
+        except hx.HTTPError as e:
+            raise TransientLeaseError(f"renew request failed: {e!r}") from e
+
+    @contextlib.contextmanager
+    def _releasing(self, order: ReleaseOrder) -> Iterator[tuple[str, dict[str, str]]]:
+        """Around one release: counts it; a failure is logged (the lease runs out by itself)."""
+        request = LeaseWire.release_request(order)
+        self.release_requests += 1
+        try:
+            yield request
+        except (hx.HTTPError, LeaseError) as e:
+            log.warning("kvlease: releasing conversation %s failed: %s", order.conversation_id, e)
 
     def _record(self, table_op: Callable[[], list[str]], what: str) -> None:
         with self.lock:
@@ -112,21 +207,6 @@ class _KeeperBase:
                 self.on_drop(conversation_id)
             except Exception:  # pragma: no cover - a callback of the client
                 log.exception("kvlease: on_drop callback failed")
-
-    def _apply(self, batch: RenewBatch, answer: protocol.RenewResponse) -> None:
-        self._record(lambda: self.table.renewed(batch, answer, self.clock()), "unknown to the router")
-
-    def _renew_failed(self, batch: RenewBatch, e: LeaseError) -> None:
-        self.renew_failures += 1
-        log.warning(
-            "kvlease: renewing %d conversation(s) on %s failed: %s",
-            len(batch.conversation_ids),
-            batch.root,
-            e,
-        )
-        self._record(
-            lambda: self.table.failed(batch, self.clock(), permanent=not e.transient), "renew failed"
-        )
 
 
 class LeaseKeeper(_KeeperBase):
@@ -170,17 +250,12 @@ class LeaseKeeper(_KeeperBase):
 
     def renew_now(self, *, force: bool = True) -> None:
         """Run one renewal round in the calling thread (every open lease when ``force``). Never raises."""
-        try:
+        with self._contained():
             self._round(self.clock(), force=force)
-        except _Stopped:
-            pass
-        except Exception:  # pragma: no cover - defensive: never into agent code
-            log.exception("kvlease: renewal round failed")
 
     def release(self, conversation_id: str) -> bool:
         """Stop renewing ``conversation_id`` and release its lease now; True if one was held."""
-        with self.lock:
-            order = self.table.forget(conversation_id)
+        order = self._forget(conversation_id)
         if order is None:
             return False
         self._release(order)
@@ -188,11 +263,9 @@ class LeaseKeeper(_KeeperBase):
 
     def close(self, *, timeout: float = 5.0) -> None:
         """Stop the thread and release every open lease. Idempotent; never raises."""
-        with self.lock:
-            if self.closed:
-                return
-            self.closed = True
-            orders = self.table.forget_all()
+        orders = self._closing()
+        if orders is None:
+            return
         self._stop_event.set()
         self._wakeup.set()
         if self._thread is not None and self._thread is not threading.current_thread():
@@ -203,69 +276,39 @@ class LeaseKeeper(_KeeperBase):
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
         while not self._stop_event.is_set():
-            with self.lock:
-                wake = self._sleeping_until = self.table.next_wakeup()
-            timeout = None if wake is None else max(0.0, wake - self.clock())
-            self._wakeup.wait(timeout)
-            with self.lock:
-                self._sleeping_until = -math.inf  # awake: reads the table before it waits again
+            self._wakeup.wait(self._wait_timeout())
+            self._awake()
             self._wakeup.clear()
             if self._stop_event.is_set():
                 return
-            try:
+            with self._contained():
                 self._round(self.clock(), force=False)
-            except _Stopped:
-                return
-            except Exception:  # never let the keeper die or raise
-                log.exception("kvlease: renewal round failed")
 
     def _round(self, now: float, *, force: bool) -> None:
-        with self.lock:
-            batches, idle = self.table.due(now, force=force)
-        for order in idle:
-            log.info(
-                "kvlease: conversation %s idle for more than %.0f s: released",
-                order.conversation_id,
-                self.table.max_idle,
-            )
-            self._release(order)
-            self._dropped(order.conversation_id)
-        for batch in batches:
-            try:
-                answer = self._renew(batch)
-            except LeaseError as e:
-                self._renew_failed(batch, e)
-                continue
-            self._apply(batch, answer)
+        for step in self._round_steps(now, force=force):
+            if isinstance(step, ReleaseOrder):
+                self._release(step)
+            else:
+                self._settle(step, self._renew(step))
 
-    def _renew(self, batch: RenewBatch) -> protocol.RenewResponse:
-        retrying = Retrying(
-            stop=self._stop(),
-            wait=self._wait(),
-            retry=retry_if_exception_type(TransientLeaseError),
-            sleep=self._sleep,
-            before_sleep=_log_retry,
-            reraise=True,
-        )
-        return retrying(self._renew_once, batch)
+    def _renew(self, batch: RenewBatch) -> protocol.RenewResponse | LeaseError:
+        try:
+            answer: protocol.RenewResponse = Retrying(sleep=self._sleep, **self._retry_policy())(
+                self._renew_once, batch
+            )
+        except LeaseError as e:
+            return e
+        return answer
 
     def _renew_once(self, batch: RenewBatch) -> protocol.RenewResponse:
-        url, body, headers = LeaseWire.renew_request(batch)
-        self.renew_requests += 1
-        try:
+        with self._renewing(batch) as (url, body, headers):
             r = self.http.post(url, content=body, headers=headers, timeout=self.retry.timeout_s)
-        except hx.HTTPError as e:
-            raise TransientLeaseError(f"renew request failed: {e!r}") from e
         return LeaseWire.renew_answer(r.status_code, r.content)
 
     def _release(self, order: ReleaseOrder) -> None:
-        url, headers = LeaseWire.release_request(order)
-        self.release_requests += 1
-        try:
+        with self._releasing(order) as (url, headers):
             r = self.http.delete(url, headers=headers, timeout=self.retry.timeout_s)
             LeaseWire.release_answer(r.status_code, r.content)
-        except (hx.HTTPError, LeaseError) as e:
-            log.warning("kvlease: releasing conversation %s failed: %s", order.conversation_id, e)
 
     def _sleep(self, seconds: float) -> None:
         if self._sleep_hook is not None:
@@ -319,27 +362,20 @@ class AsyncLeaseKeeper(_KeeperBase):
 
     async def renew_now(self, *, force: bool = True) -> None:
         """Run one renewal round now (every open lease when ``force``). Never raises."""
-        try:
+        with self._contained():
             await self._round(self.clock(), force=force)
-        except _Stopped:
-            pass
-        except Exception:  # pragma: no cover - defensive
-            log.exception("kvlease: renewal round failed")
 
     async def release(self, conversation_id: str) -> bool:
-        with self.lock:
-            order = self.table.forget(conversation_id)
+        order = self._forget(conversation_id)
         if order is None:
             return False
         await self._release(order)
         return True
 
     async def close(self) -> None:
-        with self.lock:
-            if self.closed:
-                return
-            self.closed = True
-            orders = self.table.forget_all()
+        orders = self._closing()
+        if orders is None:
+            return
         if self._task is not None:
             assert self._stop_event is not None and self._wakeup is not None
             self._stop_event.set()
@@ -354,73 +390,43 @@ class AsyncLeaseKeeper(_KeeperBase):
     async def _run(self) -> None:
         assert self._wakeup is not None and self._stop_event is not None
         while not self._stop_event.is_set():
-            with self.lock:
-                wake = self._sleeping_until = self.table.next_wakeup()
-            timeout = None if wake is None else max(0.0, wake - self.clock())
+            timeout = self._wait_timeout()
             try:
                 await asyncio.wait_for(self._wakeup.wait(), timeout)
             except asyncio.TimeoutError:
                 pass
-            with self.lock:
-                self._sleeping_until = -math.inf  # awake: reads the table before it waits again
+            self._awake()
             self._wakeup.clear()
             if self._stop_event.is_set():
                 return
-            try:
+            with self._contained():
                 await self._round(self.clock(), force=False)
-            except _Stopped:
-                return
-            except Exception:
-                log.exception("kvlease: renewal round failed")
 
     async def _round(self, now: float, *, force: bool) -> None:
-        with self.lock:
-            batches, idle = self.table.due(now, force=force)
-        for order in idle:
-            log.info(
-                "kvlease: conversation %s idle for more than %.0f s: released",
-                order.conversation_id,
-                self.table.max_idle,
-            )
-            await self._release(order)
-            self._dropped(order.conversation_id)
-        for batch in batches:
-            try:
-                answer = await self._renew(batch)
-            except LeaseError as e:
-                self._renew_failed(batch, e)
-                continue
-            self._apply(batch, answer)
+        for step in self._round_steps(now, force=force):
+            if isinstance(step, ReleaseOrder):
+                await self._release(step)
+            else:
+                self._settle(step, await self._renew(step))
 
-    async def _renew(self, batch: RenewBatch) -> protocol.RenewResponse:
-        retrying = AsyncRetrying(
-            stop=self._stop(),
-            wait=self._wait(),
-            retry=retry_if_exception_type(TransientLeaseError),
-            sleep=self._sleep,
-            before_sleep=_log_retry,
-            reraise=True,
-        )
-        result: protocol.RenewResponse = await retrying(self._renew_once, batch)
-        return result
+    async def _renew(self, batch: RenewBatch) -> protocol.RenewResponse | LeaseError:
+        try:
+            answer: protocol.RenewResponse = await AsyncRetrying(sleep=self._sleep, **self._retry_policy())(
+                self._renew_once, batch
+            )
+        except LeaseError as e:
+            return e
+        return answer
 
     async def _renew_once(self, batch: RenewBatch) -> protocol.RenewResponse:
-        url, body, headers = LeaseWire.renew_request(batch)
-        self.renew_requests += 1
-        try:
+        with self._renewing(batch) as (url, body, headers):
             r = await self.http.post(url, content=body, headers=headers, timeout=self.retry.timeout_s)
-        except hx.HTTPError as e:
-            raise TransientLeaseError(f"renew request failed: {e!r}") from e
         return LeaseWire.renew_answer(r.status_code, r.content)
 
     async def _release(self, order: ReleaseOrder) -> None:
-        url, headers = LeaseWire.release_request(order)
-        self.release_requests += 1
-        try:
+        with self._releasing(order) as (url, headers):
             r = await self.http.delete(url, headers=headers, timeout=self.retry.timeout_s)
             LeaseWire.release_answer(r.status_code, r.content)
-        except (hx.HTTPError, LeaseError) as e:
-            log.warning("kvlease: releasing conversation %s failed: %s", order.conversation_id, e)
 
     async def _sleep(self, seconds: float) -> None:
         if self._sleep_hook is not None:

@@ -1,0 +1,196 @@
+"""What the sync and async clients share, without their IO.
+
+:class:`BaseConversation` is a conversation less its ``close``; :class:`BaseClient` is a client less
+its HTTP client, keeper and ``close``: it mints or validates conversation ids, keeps one conversation
+object per open conversation, and does the bookkeeping of closing one or all of them. The shells in
+:mod:`kvlease._client` add the IO, and differ only in ``await``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import secrets
+from typing import Any, Generic, TypeAlias, TypeVar
+
+import openai
+
+from kvlease import protocol
+from kvlease._core import ConversationState, LeaseSink, Tracker, Turn
+from kvlease._strip import HistoryClass, ReasoningPolicy
+from kvlease._turnlog import TurnLog
+
+__all__ = ["BaseClient", "BaseConversation", "mint_id"]
+
+C = TypeVar("C", openai.OpenAI, openai.AsyncOpenAI)
+ConvT = TypeVar("ConvT", bound="BaseConversation[Any]")
+SinkT = TypeVar("SinkT", bound=LeaseSink)
+
+#: What ``turn_log=`` accepts: a path, a :class:`~kvlease.TurnLog`, or ``None``.
+_TurnLogArg: TypeAlias = str | os.PathLike[str] | TurnLog | None
+
+
+def mint_id() -> str:
+    return "kvl-" + secrets.token_urlsafe(18).replace("_", ".")
+
+
+def _turn_log(turn_log: _TurnLogArg) -> TurnLog | None:
+    if turn_log is None or isinstance(turn_log, TurnLog):
+        return turn_log
+    return TurnLog(turn_log)
+
+
+class _Bound:
+    """An openai resource (``chat``, ``chat.completions``, ``…with_raw_response``) whose methods send
+    ``X-Conversation-Id``: the real openai methods, without an openai client copy per conversation
+    (a few hundred bytes instead of a few kilobytes, for agents with thousands of conversations)."""
+
+    __slots__ = ("_cid", "_target")
+
+    def __init__(self, target: Any, conversation_id: str) -> None:
+        self._target = target
+        self._cid = conversation_id
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._target, name)
+        if name.startswith("_") or isinstance(value, (str, bytes, int, float, bool, type(None), type)):
+            return value
+        if inspect.ismethod(value) or inspect.isfunction(value):
+            cid = self._cid
+
+            @functools.wraps(value)
+            def call(*args: Any, **kwargs: Any) -> Any:
+                extra = kwargs.get("extra_headers") or {}
+                kwargs["extra_headers"] = {**extra, protocol.HEADER_CONVERSATION_ID: cid}
+                return value(*args, **kwargs)
+
+            return call
+        return _Bound(value, self._cid)
+
+    def __repr__(self) -> str:
+        return f"<conversation {self._cid!r} {self._target!r}>"
+
+
+class BaseConversation(Generic[C]):
+    """What sync and async conversations share: id, turn records, the bound openai client."""
+
+    def __init__(self, base: C, state: ConversationState) -> None:
+        self._base: C = base
+        self._state = state
+        self._client: C | None = None
+
+    @property
+    def id(self) -> str:
+        return self._state.id
+
+    @property
+    def client(self) -> C:
+        """The wrapped openai client with ``X-Conversation-Id`` set on every request: hand it to other
+        frameworks to keep them in this conversation."""
+        if self._client is None:
+            self._client = self._base.with_options(default_headers={protocol.HEADER_CONVERSATION_ID: self.id})
+        return self._client
+
+    @property
+    def chat(self) -> Any:
+        """``conv.chat.completions.create(...)``: the openai method, in this conversation."""
+        return _Bound(self._base.chat, self._state.id)
+
+    @property
+    def completions(self) -> Any:
+        """``conv.completions.create(...)``: legacy completions, in this conversation."""
+        return _Bound(self._base.completions, self._state.id)
+
+    @property
+    def turns(self) -> list[Turn]:
+        """Completed turns, oldest first (a copy)."""
+        return list(self._state.turns)
+
+    @property
+    def reuse_off_turns(self) -> int:
+        """Turns sent with reuse off (:data:`~kvlease.protocol.HEADER_REUSE`) because the history was not exact."""
+        return sum(1 for t in self._state.turns if t.reuse_forced_off)
+
+    @property
+    def last_history(self) -> HistoryClass | None:
+        return self._state.turns[-1].history if self._state.turns else None
+
+    @property
+    def closed(self) -> bool:
+        return self._state.closed
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} id={self.id!r} turns={len(self._state.turns)}>"
+
+
+class BaseClient(Generic[ConvT]):
+    """What sync and async clients share: the tracker, the turn log and the open conversations.
+    A shell sets its keeper with :meth:`_lease_sink` and builds its conversations in
+    :meth:`_new_conversation`."""
+
+    def __init__(self, reasoning: ReasoningPolicy, turn_log: _TurnLogArg) -> None:
+        self.turn_log = _turn_log(turn_log)
+        self._tracker = Tracker(reasoning, on_turn=self.turn_log.write if self.turn_log is not None else None)
+        self._conversations: dict[str, ConvT] = {}
+
+    @property
+    def reasoning(self) -> ReasoningPolicy:
+        return self._tracker.policy
+
+    @property
+    def reuse_off_turns(self) -> int:
+        """Turns of this client sent with the reuse opt-out (all conversations)."""
+        return self._tracker.reuse_off_turns
+
+    def conversation(self, id: str | None = None) -> ConvT:
+        """A conversation with a fresh id, or ``id`` (e.g. a thread id); a bad id raises
+        :class:`~kvlease.InvalidConversationId` (a ``ValueError``) before any request."""
+        cid = mint_id() if id is None else protocol.validate_conversation_id(id)
+        return self._bind(self._tracker.open(cid, explicit=True))
+
+    def get_conversation(self, id: str) -> ConvT | None:
+        """The open conversation ``id`` (also one auto-registered from a header), or ``None``."""
+        state = self._tracker.get(id)
+        if state is None or state.closed:
+            return None
+        return self._bind(state)
+
+    def conversation_ids(self) -> list[str]:
+        """Ids of the open conversations (explicit and auto-registered)."""
+        return [s.id for s in self._tracker.states()]
+
+    # ------------------------------------------------------------------ for the shells
+    def _new_conversation(self, state: ConversationState) -> ConvT:
+        raise NotImplementedError
+
+    def _lease_sink(self, keeper: SinkT) -> SinkT:
+        """Finished turns that carry a lease go to ``keeper``; returns it."""
+        self._tracker.lease_sink = keeper
+        return keeper
+
+    def _bind(self, state: ConversationState) -> ConvT:
+        conv = self._conversations.get(state.id)
+        if conv is None or conv._state is not state:
+            conv = self._conversations[state.id] = self._new_conversation(state)
+        return conv
+
+    def _dropped(self, conversation_id: str) -> None:
+        """The keeper stopped renewing a conversation (idle or unknown): forget auto-registered ones."""
+        if self._tracker.forget(conversation_id, only_implicit=True) is not None:
+            self._conversations.pop(conversation_id, None)
+
+    def _forget(self, conversation_id: str) -> None:
+        """Before its lease is released: the conversation is closed."""
+        self._tracker.forget(conversation_id)
+        self._conversations.pop(conversation_id, None)
+
+    def _forget_all(self) -> None:
+        """After the keeper closed: every conversation is closed."""
+        for state in self._tracker.states():
+            self._tracker.forget(state.id)
+        self._conversations.clear()
+
+    def _close_turn_log(self) -> None:
+        if self.turn_log is not None:
+            self.turn_log.close()
