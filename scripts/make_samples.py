@@ -14,6 +14,8 @@ import random
 import sys
 from pathlib import Path
 
+from kvlease.protocol import TurnLogRecord
+
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
 
 
@@ -45,16 +47,6 @@ def requests_small() -> bytes:
 
 def turnlog_small() -> bytes:
     """Two conversations as the SDK writes them (``gap_s`` measured from the previous turn's end)."""
-    keys = (
-        "conversation_id",
-        "ts",
-        "prompt_tokens",
-        "completion_tokens",
-        "ttft_s",
-        "status",
-        "reused_tokens",
-        "gap_s",
-    )
     rows = [
         ("t1", 100.0, 1000, 200, 0.8, "first", 0, None),
         ("t1", 130.0, 1300, 100, 0.2, "hit", 1184, 25.0),
@@ -62,7 +54,7 @@ def turnlog_small() -> bytes:
         ("t2", 200.0, 500, None, 0.3, "first", 0, None),
         ("t2", 210.0, None, None, None, "error", None, 5.0),
     ]
-    return _jsonl([dict(zip(keys, r)) for r in rows])
+    return _jsonl([TurnLogRecord(*r).to_json() for r in rows])
 
 
 def vllm_stats() -> bytes:

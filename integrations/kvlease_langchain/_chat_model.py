@@ -29,7 +29,7 @@ from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_valid
 from typing_extensions import Self
 
 import kvlease
-from kvlease.protocol import HEADER_CONVERSATION_ID, validate_conversation_id
+from kvlease.protocol import HEADER_CONVERSATION_ID, REASONING_FIELDS, TurnLogKey, validate_conversation_id
 from kvlease_langchain import _reasoning
 from kvlease_langchain._conversation import (
     mint_conversation_id,
@@ -386,7 +386,7 @@ class ChatKVLease(BaseChatOpenAI):
             _reasoning.restore_tool_arguments(wire_messages, messages)
             if self.reasoning_policy == "keep":
                 _reasoning.attach_reasoning(
-                    wire_messages, messages, self._reasoning_field or _reasoning.REASONING_FIELDS[-1]
+                    wire_messages, messages, self._reasoning_field or REASONING_FIELDS[0]
                 )
         return payload
 
@@ -574,16 +574,16 @@ class ChatKVLease(BaseChatOpenAI):
 def _turn_summary(conversation_id: str, turn: Any) -> dict[str, Any]:
     """JSON-safe summary of an SDK ``Turn`` (checkpointers serialize ``response_metadata``)."""
     if turn is None:
-        return {"conversation_id": conversation_id}
+        return {TurnLogKey.CONVERSATION_ID: conversation_id}
     status = getattr(turn.status, "value", turn.status)
     history = getattr(turn.history, "value", turn.history)
-    return {
-        "conversation_id": conversation_id,
-        "turn": turn.index,
-        "status": status,
-        "reused_tokens": turn.reused_tokens,
-        "ttft_s": turn.ttft_s,
-        "history": history,
+    return {  # the turn log's keys, and ``reuse_forced_off`` (the log's ``reuse_off``)
+        TurnLogKey.CONVERSATION_ID: conversation_id,
+        TurnLogKey.TURN: turn.index,
+        TurnLogKey.STATUS: status,
+        TurnLogKey.REUSED_TOKENS: turn.reused_tokens,
+        TurnLogKey.TTFT_S: turn.ttft_s,
+        TurnLogKey.HISTORY: history,
         "reuse_forced_off": turn.reuse_forced_off,
     }
 

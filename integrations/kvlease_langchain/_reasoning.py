@@ -35,8 +35,12 @@ from langchain_core.messages.block_translators.openai import (
     translate_content_chunk as _openai_translate_content_chunk,
 )
 
-#: Field names a server may use for reasoning text, in lookup order.
-REASONING_FIELDS: tuple[str, ...] = ("reasoning_content", "reasoning")
+from kvlease.protocol import REASONING_FIELDS
+
+#: Field names a server may use for reasoning text, in lookup order: ``protocol.REASONING_FIELDS``
+#: reversed. When a server sends both, the one under LangChain's own key (``reasoning_content``,
+#: :data:`LC_REASONING_KEY`) wins here: what lands in ``additional_kwargs`` is what that field said.
+REASONING_LOOKUP: tuple[str, ...] = tuple(reversed(REASONING_FIELDS))
 
 #: Where LangChain keeps reasoning text on a message.
 LC_REASONING_KEY = "reasoning_content"
@@ -58,7 +62,7 @@ def reasoning_from_wire(message: Mapping[str, Any] | None) -> tuple[str, str] | 
     """
     if not message:
         return None
-    for name in REASONING_FIELDS:
+    for name in REASONING_LOOKUP:
         value = message.get(name)
         if isinstance(value, str) and value:
             return name, value

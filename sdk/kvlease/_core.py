@@ -39,7 +39,10 @@ __all__ = [
 log = logging.getLogger("kvlease")
 
 #: Headers that make a lease request authorized like the chat request (copied to renew/release).
-AUTH_HEADERS: Final = ("authorization", "api-key", protocol.DEFAULT_TENANT_HEADER.lower())
+AUTH_HEADERS: Final = tuple(
+    h.lower()
+    for h in (protocol.HEADER_AUTHORIZATION, protocol.HEADER_API_KEY, protocol.DEFAULT_TENANT_HEADER)
+)
 #: What the transport reads of a request's headers: the conversation id and the authorization.
 REQUEST_HEADERS: Final = frozenset(
     name.lower().encode("ascii") for name in (protocol.HEADER_CONVERSATION_ID, *AUTH_HEADERS)
@@ -48,14 +51,7 @@ CID_KEY: Final = protocol.HEADER_CONVERSATION_ID.lower().encode("ascii")
 _AUTH_KEYS: Final = tuple((name.encode("ascii"), name) for name in AUTH_HEADERS)
 #: What ``Tracker.response`` reads of a response's headers.
 RESPONSE_HEADERS: Final = frozenset(
-    name.lower().encode("ascii")
-    for name in (
-        protocol.HEADER_STATUS,
-        protocol.HEADER_REUSED_TOKENS,
-        protocol.HEADER_TTL,
-        "content-type",
-        "content-encoding",
-    )
+    name.lower().encode("ascii") for name in (*protocol.RESPONSE_HEADERS, "content-type", "content-encoding")
 )
 _STATUS_KEY: Final = protocol.HEADER_STATUS.lower().encode("ascii")
 _REUSED_KEY: Final = protocol.HEADER_REUSED_TOKENS.lower().encode("ascii")

@@ -16,13 +16,15 @@ from typing import Any
 
 import orjson
 
-from kvlease import _json
-from kvlease._strip import REASONING_FIELDS, AssistantReply, ToolCall
+from kvlease import _json, protocol
+from kvlease._strip import AssistantReply, ToolCall
+from kvlease.protocol import REASONING_FIELDS
 
 __all__ = ["Observed", "ResponseObserver"]
 
 _orjson_loads = orjson.loads
 _OrjsonError = orjson.JSONDecodeError
+_DONE = protocol.SSE_DONE_DATA.encode()
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,7 +193,7 @@ class ResponseObserver:
         try:
             obj = _orjson_loads(data)
         except _OrjsonError:
-            if data == b"[DONE]":
+            if data == _DONE:
                 self._complete = True
                 return
             try:

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 from kvlease import protocol
+from kvlease.protocol import REASONING_FIELDS
 
 __all__ = [
-    "REASONING_FIELDS",
     "AssistantReply",
     "HistoryClass",
     "ReasoningPolicy",
@@ -38,7 +38,6 @@ __all__ = [
 ]
 
 ReasoningPolicy = Literal["warn", "keep", "off"]
-REASONING_FIELDS: Final = ("reasoning", "reasoning_content")
 THINK_OPEN: Final = "<think>"
 THINK_CLOSE: Final = "</think>"
 

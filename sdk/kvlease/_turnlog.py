@@ -9,6 +9,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, TYPE_CHECKING, Any
 
+from kvlease.protocol import TurnLogKey, TurnLogRecord
+
 if TYPE_CHECKING:
     from kvlease._core import Turn
 
@@ -57,19 +59,20 @@ _encode = json.JSONEncoder(separators=(",", ":")).encode
 
 
 def _record(turn: Turn) -> dict[str, Any]:
-    """The line of ``turn``: what ``protocol.TurnLogRecord(...).to_json()`` gives, the keys of
-    :data:`kvlease.protocol.TURN_LOG_FIELDS` then ``turn``, ``history`` and ``reuse_off`` (built
-    directly: a turn log writes one per call)."""
-    return {
-        "conversation_id": turn.conversation_id,
-        "ts": round(turn.started_at, 6),
-        "prompt_tokens": turn.prompt_tokens,
-        "completion_tokens": turn.completion_tokens,
-        "ttft_s": None if turn.ttft_s is None else round(turn.ttft_s, 6),
-        "status": None if turn.status is None else turn.status.value,
-        "reused_tokens": turn.reused_tokens,
-        "gap_s": None if turn.gap_s is None else round(turn.gap_s, 6),
-        "turn": turn.index,
-        "history": turn.history.value,
-        "reuse_off": turn.reuse_forced_off,
-    }
+    """The line of ``turn``: the keys of :data:`kvlease.protocol.TURN_LOG_FIELDS`, then ``turn``,
+    ``history`` and ``reuse_off``."""
+    return TurnLogRecord(
+        conversation_id=turn.conversation_id,
+        ts=round(turn.started_at, 6),
+        prompt_tokens=turn.prompt_tokens,
+        completion_tokens=turn.completion_tokens,
+        ttft_s=None if turn.ttft_s is None else round(turn.ttft_s, 6),
+        status=None if turn.status is None else turn.status.value,
+        reused_tokens=turn.reused_tokens,
+        gap_s=None if turn.gap_s is None else round(turn.gap_s, 6),
+        extra={
+            TurnLogKey.TURN: turn.index,
+            TurnLogKey.HISTORY: turn.history.value,
+            TurnLogKey.REUSE_OFF: turn.reuse_forced_off,
+        },
+    ).to_json()

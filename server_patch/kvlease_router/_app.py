@@ -22,13 +22,19 @@ from kvlease.protocol import (
     COMPLETIONS_PATH,
     CONTROL_INFO_PATH,
     CONVERSATIONS_PATH,
+    ERROR_UPSTREAM,
+    HEADER_AUTHORIZATION,
     HEALTH_PATH,
     METRICS_PATH,
+    MODE_KVLEASE,
+    MODE_STOCK_VLLM,
     PROTOCOL_VERSION,
     RENEW_PATH,
     STATUS_PATH,
     ControlInfo,
     ProtocolError,
+    RouterHealth,
+    RouterStatus,
 )
 from kvlease_router._flow import handle_turn
 from kvlease_router._lease_api import handle_release, handle_renew
@@ -146,7 +152,7 @@ def _lifespan(router: RouterRuntime) -> Callable[[web.Application], AsyncIterato
                 log.warning(w)
             log.info(
                 "router ready: mode=%s ttl=%gs store=%s prefill=%d decode=%d",
-                "kvlease" if router.settings.kvlease_mode else "stock-vllm",
+                MODE_KVLEASE if router.settings.kvlease_mode else MODE_STOCK_VLLM,
                 router.plan.ttl,
                 router.store.name,
                 len(router.upstreams.prefill.nodes),
@@ -167,30 +173,30 @@ def _lifespan(router: RouterRuntime) -> Callable[[web.Application], AsyncIterato
     return lifespan
 
 
-def _status(router: RouterRuntime) -> dict[str, Any]:
+def _status(router: RouterRuntime) -> RouterStatus:
     s, plan, now = router.settings, router.plan, time.monotonic()
     assert plan is not None
-    return {
-        "kvlease_version": __version__,
-        "protocol_version": PROTOCOL_VERSION,
-        "mode": "kvlease" if s.kvlease_mode else "stock-vllm",
-        "renewals": s.kvlease_mode,
-        "reuse": plan.reuse,
-        "verified_pull": s.kvlease_mode,
-        "stream_capture": s.kvlease_mode,
-        "notes": list(plan.warnings),
-        "ttl_s": plan.ttl,
-        "decode_ttl_s": plan.decode_ttl,
-        "ttl_margin_s": s.ttl_margin,
-        "model": plan.model,
-        "vllm_version": plan.vllm_version,
-        "block_size": plan.block_size,
-        "store": router.store.name,
-        "tenant_header": s.tenant_header,
-        "uptime_s": round(time.time() - router.started_at, 3),
-        "prefill": [n.describe(now) for n in router.upstreams.prefill.nodes],
-        "decode": [n.describe(now) for n in router.upstreams.decode.nodes],
-    }
+    return RouterStatus(
+        kvlease_version=__version__,
+        protocol_version=PROTOCOL_VERSION,
+        mode=MODE_KVLEASE if s.kvlease_mode else MODE_STOCK_VLLM,
+        renewals=s.kvlease_mode,
+        reuse=plan.reuse,
+        verified_pull=s.kvlease_mode,
+        stream_capture=s.kvlease_mode,
+        notes=tuple(plan.warnings),
+        ttl_s=plan.ttl,
+        decode_ttl_s=plan.decode_ttl,
+        ttl_margin_s=s.ttl_margin,
+        model=plan.model,
+        vllm_version=plan.vllm_version,
+        block_size=plan.block_size,
+        store=router.store.name,
+        tenant_header=s.tenant_header,
+        uptime_s=round(time.time() - router.started_at, 3),
+        prefill=tuple(n.describe(now) for n in router.upstreams.prefill.nodes),
+        decode=tuple(n.describe(now) for n in router.upstreams.decode.nodes),
+    )
 
 
 def create_app(
@@ -219,15 +225,17 @@ def create_app(
         return await handle_turn(request, router, False)
 
     async def status(request: web.Request) -> web.Response:
-        return web.Response(body=orjson.dumps(_status(router)), content_type=JSON_CT)
+        return web.Response(body=orjson.dumps(_status(router).to_json()), content_type=JSON_CT)
 
     async def health(request: web.Request) -> web.Response:
         now = time.monotonic()
-        p = any(n.healthy(now) for n in router.upstreams.prefill.nodes)
-        d = any(n.healthy(now) for n in router.upstreams.decode.nodes)
-        ok = p and d
-        body = {"status": "ok" if ok else "degraded", "prefill_healthy": p, "decode_healthy": d}
-        return web.Response(status=200 if ok else 503, body=orjson.dumps(body), content_type=JSON_CT)
+        body = RouterHealth(
+            prefill_healthy=any(n.healthy(now) for n in router.upstreams.prefill.nodes),
+            decode_healthy=any(n.healthy(now) for n in router.upstreams.decode.nodes),
+        )
+        return web.Response(
+            status=200 if body.ok else 503, body=orjson.dumps(body.to_json()), content_type=JSON_CT
+        )
 
     async def metrics(request: web.Request) -> web.Response:
         return web.Response(
@@ -241,14 +249,14 @@ def create_app(
                 raw = await resp.read()
                 return web.Response(status=resp.status, body=raw, content_type=resp.content_type)
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            return error_response(502, f"decode node unreachable: {type(e).__name__}", "upstream_error")
+            return error_response(502, f"decode node unreachable: {type(e).__name__}", ERROR_UPSTREAM)
 
     app.add_routes(
         [
             web.post(CHAT_COMPLETIONS_PATH, chat),
             web.post(COMPLETIONS_PATH, completions),
             web.post(RENEW_PATH, bind(handle_renew)),
-            web.delete(CONVERSATIONS_PATH + "/{conversation_id}", bind(handle_release)),
+            web.delete(CONVERSATIONS_PATH + "/{id}", bind(handle_release)),
             web.get(STATUS_PATH, status),
             web.get(HEALTH_PATH, health),
             web.get(METRICS_PATH, metrics),
@@ -259,5 +267,5 @@ def create_app(
 
 
 def _auth(request: web.Request) -> dict[str, str]:
-    v = request.headers.get("Authorization")
-    return {"Authorization": v} if v else {}
+    v = request.headers.get(HEADER_AUTHORIZATION)
+    return {HEADER_AUTHORIZATION: v} if v else {}

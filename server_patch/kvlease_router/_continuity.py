@@ -18,10 +18,11 @@ from typing import Any
 
 import orjson
 
+from kvlease.protocol import REASONING_FIELDS
+
 __all__ = ["Continuity", "chat_continuity", "chat_extends", "completion_continuity", "completion_extends"]
 
 _MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id")
-_REASONING_KEYS = ("reasoning", "reasoning_content")
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ def chat_continuity(messages: object, returned: object) -> Continuity | None:
     ``None`` when it cannot be checked later (malformed input, reasoning in the answer)."""
     if not isinstance(messages, list) or not isinstance(returned, Mapping):
         return None
-    if any(returned.get(k) for k in _REASONING_KEYS):
+    if any(returned.get(k) for k in REASONING_FIELDS):
         return None
     assistant = dict(returned)
     assistant.setdefault("role", "assistant")

@@ -15,12 +15,16 @@ from aiohttp import web
 from kvlease.protocol import (
     BODY_CONVERSATION_ID,
     CACHE_SALT,
+    ERROR_UPSTREAM,
+    HEADER_AUTHORIZATION,
     HEADER_REUSE,
     HEADER_REUSED_TOKENS,
     HEADER_STATUS,
     HEADER_TTL,
     KV_TRANSFER_PARAMS,
     REUSE_OFF,
+    SSE_DONE,
+    ErrorBody,
     ReuseStatus,
     prefill_request_params,
 )
@@ -39,8 +43,11 @@ from kvlease_router._upstreams import Node
 
 __all__ = ["handle_turn"]
 
-_DONE = b"data: [DONE]\n\n"
-_FORWARD_HEADERS = ("Authorization",)
+_DONE = SSE_DONE.encode()
+_FORWARD_HEADERS = (HEADER_AUTHORIZATION,)
+#: What a client gets instead of an upstream body that quoted a handle (or that could not be read).
+_UPSTREAM_ERROR = orjson.dumps(ErrorBody("upstream error", ERROR_UPSTREAM).to_json())
+_MALFORMED_UPSTREAM = orjson.dumps(ErrorBody("malformed upstream answer", ERROR_UPSTREAM).to_json())
 
 
 class _Upstream4xx(Exception):
@@ -279,7 +286,7 @@ async def _run(
     except _Upstream4xx as e:
         return _passthrough(router, turn, e)
     except _UpstreamDown as e:
-        return error_response(502, f"no prefill node answered: {e}", "upstream_error")
+        return error_response(502, f"no prefill node answered: {e}", ERROR_UPSTREAM)
     except orjson.JSONEncodeError as e:  # parsed, but nested deeper than orjson writes (254 levels)
         return _bad(f"request body cannot be forwarded: {e}", router)
     if handle is not None and turn.status is ReuseStatus.HIT:  # P answered with the handle
@@ -310,10 +317,7 @@ def _passthrough(router: RouterRuntime, turn: _Turn, e: _Upstream4xx) -> web.Res
         except orjson.JSONDecodeError:
             pass
         if NEEDLE in body:  # not JSON, or the handle quoted inside a message (validation errors)
-            body, content_type = (
-                b'{"error": {"message": "upstream error", "type": "upstream_error"}}',
-                JSON_CT,
-            )
+            body, content_type = _UPSTREAM_ERROR, JSON_CT
     resp = web.Response(status=e.status, body=body, content_type=content_type)
     resp.headers.update(_kvlease_headers(router, turn))
     return resp
@@ -340,7 +344,7 @@ async def _decode(
                 if len(tried) < min(2, len(pool.nodes)):
                     continue
                 await _forget_handle(router, turn, node)
-                return error_response(502, f"no decode node answered: {type(e).__name__}", "upstream_error")
+                return error_response(502, f"no decode node answered: {type(e).__name__}", ERROR_UPSTREAM)
             router.metrics.decode_first_byte_seconds.observe(time.perf_counter() - t0)
             if node.down_until:
                 router.upstreams.mark_up(node)
@@ -349,9 +353,7 @@ async def _decode(
                     upstream.close()
                     router.metrics.upstream_errors["decode"].inc()
                     await _forget_handle(router, turn, node)
-                    return error_response(
-                        502, "decode node answered with a compressed body", "upstream_error"
-                    )
+                    return error_response(502, "decode node answered with a compressed body", ERROR_UPSTREAM)
                 if upstream.status >= 400:
                     raw = await upstream.read()
                     router.metrics.upstream_errors["decode"].inc()
@@ -442,7 +444,7 @@ async def _relay_json(
         if params is not None:
             raw = orjson.dumps(obj)
     elif NEEDLE in raw:
-        raw = b'{"error": {"message": "malformed upstream answer", "type": "upstream_error"}}'
+        raw = _MALFORMED_UPSTREAM
     await _store_capture(router, turn, node, params, returned, streamed=False)
     _finish(router, turn, node, t0)
     resp = web.Response(status=upstream.status, body=raw, content_type=upstream.content_type or JSON_CT)

@@ -17,6 +17,7 @@ from typing import Any
 from kvlease.protocol import (
     BODY_CONVERSATION_ID,
     BODY_PROMPT_CACHE_KEY,
+    HEADER_AUTHORIZATION,
     HEADER_CONVERSATION_ID,
     HEADER_SESSION_ID,
     InvalidConversationId,
@@ -67,7 +68,7 @@ def tenant_from(headers: Mapping[str, str], tenant_header: str | None) -> str:
         value = headers.get(tenant_header)
         if value:
             return "h:" + value[:256]
-    auth = headers.get("Authorization")
+    auth = headers.get(HEADER_AUTHORIZATION)
     if auth:
         return "t:" + hashlib.sha256(auth.strip().encode("utf-8", "surrogatepass")).hexdigest()
     return ANONYMOUS_TENANT

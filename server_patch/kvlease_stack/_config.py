@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from kvlease.protocol import CONTROL_SECRET_ENV
+from kvlease.protocol import CONTROL_SECRET_ENV, KV
 
 ModelName = Literal["tiny", "small"]
 ConnectorName = Literal["kvlease", "nixl"]
@@ -144,7 +144,7 @@ def kv_transfer_config(
     if spec.connector == "kvlease":
         cfg["kv_connector"] = KVLEASE_CONNECTOR_CLASS
         cfg["kv_connector_module_path"] = KVLEASE_CONNECTOR_MODULE
-        extra["kvlease"] = {
+        extra[KV.KVLEASE] = {
             **dict(spec.kvlease),
             "control_host": host,
             "control_port": control_port,

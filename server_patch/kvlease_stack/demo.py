@@ -38,7 +38,7 @@ from typing import Any
 
 import typer
 
-from kvlease.protocol import CACHE_SALT, HEADER_REUSE, REUSE_OFF
+from kvlease.protocol import CACHE_SALT, HEADER_REUSE, REUSE_OFF, ReuseStatus
 
 __all__ = ["DEMO_SPEC_KW", "DemoResult", "demo", "router_process", "run_demo"]
 
@@ -357,7 +357,7 @@ def _summary(con: Any, r: DemoResult, on: float | None, off: float | None) -> No
             "n/a" if b.ttft_s is None else f"{b.ttft_s * 1000:.0f} ms",
         )
     con.print(table)
-    hits = sum(1 for x in r.kvlease if x.status == "hit")
+    hits = sum(1 for x in r.kvlease if x.status == ReuseStatus.HIT.value)
     con.print(f"follow-up turns that reused decode-side KV: {hits} of {len(r.kvlease) - 1}")
     con.print(f"answers identical with and without reuse (greedy): {'yes' if r.answers_equal else 'NO'}")
     if on and off:

@@ -23,12 +23,12 @@ import json
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Any
 
-from kvlease.protocol import KV_TRANSFER_PARAMS
+from kvlease.protocol import KV_TRANSFER_PARAMS, SSE_DONE
 
 __all__ = ["DONE_EVENT", "ResultTap", "annotate_final_chunk", "inject_into_event"]
 
 #: vLLM's end-of-stream SSE event, exactly as its generators yield it.
-DONE_EVENT = "data: [DONE]\n\n"
+DONE_EVENT = SSE_DONE
 _DATA = "data: "
 
 

@@ -113,6 +113,46 @@ def test_renew_shapes() -> None:
     assert resp.to_json()["leases"]["b"] == {"status": "unknown"}
 
 
+def test_error_release_status_and_health_shapes() -> None:
+    err = p.ErrorBody("no such conversation", p.ERROR_INVALID_REQUEST, 404)
+    assert err.to_json() == {
+        "error": {"message": "no such conversation", "type": "invalid_request_error", "code": 404}
+    }
+    assert p.ErrorBody.from_json(err.to_json()) == err
+    assert "code" not in p.ErrorBody("upstream error", p.ERROR_UPSTREAM).to_json()["error"]
+    assert p.ErrorBody.for_status(503, "down").type == p.ERROR_SERVER
+    with pytest.raises(p.ProtocolError):
+        p.ErrorBody.from_json({"error": "flat"})
+    rel = p.ReleaseResponse("c1", known=True, released=False)
+    assert p.ReleaseResponse.from_json(rel.to_json()) == rel
+    health = p.RouterHealth(prefill_healthy=True, decode_healthy=False)
+    assert health.to_json()["status"] == p.HEALTH_DEGRADED and not health.ok
+    assert p.RouterHealth.from_json(health.to_json()) == health
+    status = p.RouterStatus(
+        kvlease_version=kvlease.__version__,
+        protocol_version=p.PROTOCOL_VERSION,
+        mode=p.MODE_KVLEASE,
+        renewals=True,
+        reuse=True,
+        verified_pull=True,
+        stream_capture=True,
+        notes=("a note",),
+        ttl_s=30.0,
+        decode_ttl_s=60.0,
+        ttl_margin_s=5.0,
+        model="m",
+        vllm_version="0.32.0",
+        block_size=16,
+        store="memory",
+        tenant_header=None,
+        uptime_s=1.0,
+        prefill=({"url": "http://p"},),
+        decode=({"url": "http://d"},),
+    )
+    assert list(status.to_json())[:3] == ["kvlease_version", "protocol_version", "mode"]
+    assert p.RouterStatus.from_json(status.to_json()) == status
+
+
 def test_control_shapes() -> None:
     info = p.ControlInfo(
         role=p.Role.DECODE,

@@ -1,7 +1,12 @@
 """``kvlease analyze``: would this traffic benefit from bidirectional KV transfer with leases?
 
 Reading path: ``_model`` (the figures, sans-IO) -> ``_recommend`` -> ``_formats`` (streaming readers)
--> ``_api`` (``analyze(path)``) -> ``_report`` (table, JSON) -> ``_plot`` -> ``cli``.
+-> ``_exact`` (the second, sorting pass for unordered input) -> ``_api`` (``analyze(path)``) ->
+``_report`` (table, JSON) -> ``_plot`` -> ``cli``.
+
+``kvlease plan``, the capacity planner: ``_plan`` (the retention model and replay, sans-IO) ->
+``_plan_report`` (the sweep of caps, the recommendation, the table) -> ``_plan_api`` (``plan(path)``,
+through the same readers) -> ``_plan_plot`` -> ``plan_cli``. ``_synth`` generates agent traces.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from kvlease._analyze._formats import (
     detect_format,
 )
 from kvlease._analyze._model import DEFAULT_MAX_IDLE, DEFAULT_TTL, Analyzer
+from kvlease._analyze._plan_api import plan
+from kvlease._analyze._plan_report import CapacityPlan, PlanConfig
 from kvlease._analyze._types import AnalysisReport, InputSummary, Recommendation, TurnIndexFigures
 
 __all__ = [
@@ -24,13 +31,16 @@ __all__ = [
     "AnalysisReport",
     "AnalyzeError",
     "Analyzer",
+    "CapacityPlan",
     "FormatDetectionError",
     "InputFormat",
     "InputSummary",
     "MalformedInputError",
     "MooncakeSessions",
+    "PlanConfig",
     "Recommendation",
     "TurnIndexFigures",
     "analyze",
     "detect_format",
+    "plan",
 ]

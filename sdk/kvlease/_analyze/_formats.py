@@ -49,9 +49,9 @@ from operator import itemgetter
 from pathlib import Path
 from typing import IO, Any, Final
 
-from kvlease._analyze._model import Analyzer, TurnInput
+from kvlease._analyze._model import TurnInput, TurnSink
 from kvlease._analyze._types import InputSummary
-from kvlease.protocol import TURN_LOG_FIELDS
+from kvlease.protocol import BODY_CONVERSATION_ID, TURN_LOG_FIELDS, TurnLogKey
 
 try:  # orjson parses a short JSON line 2-3x faster; json is the fallback
     import orjson
@@ -74,10 +74,10 @@ _LINES_CHUNK: Final = 1 << 16  # bytes of JSON lines parsed and checked at a tim
 _MAX_ELEMENT: Final = 64 << 20  # characters one JSON array element may span
 _WS: Final = re.compile(r"[ \t\r\n]*")
 _TURNLOG_ONLY: Final = frozenset(TURN_LOG_FIELDS) - {
-    "conversation_id",
-    "ts",
-    "prompt_tokens",
-    "completion_tokens",
+    TurnLogKey.CONVERSATION_ID,
+    TurnLogKey.TS,
+    TurnLogKey.PROMPT_TOKENS,
+    TurnLogKey.COMPLETION_TOKENS,
 }
 
 Progress = Callable[[int], None]
@@ -140,7 +140,7 @@ def classify_record(obj: object) -> InputFormat | None:
         return InputFormat.MOONCAKE
     if "input_num_tokens" in obj and "start_time_ms" in obj:
         return InputFormat.VLLM
-    if "conversation_id" in obj and "ts" in obj:
+    if TurnLogKey.CONVERSATION_ID in obj and TurnLogKey.TS in obj:
         return InputFormat.TURN_LOG if _TURNLOG_ONLY & obj.keys() else InputFormat.REQUESTS
     return None
 
@@ -218,10 +218,10 @@ def _split_lines(f: IO[bytes], nbytes: list[int]) -> Iterator[tuple[list[bytes],
         yield [b"".join(head)], b""
 
 
-_get_cid: Final = itemgetter("conversation_id")
-_get_ts: Final = itemgetter("ts")
-_get_prompt: Final = itemgetter("prompt_tokens")
-_get_completion: Final = itemgetter("completion_tokens")
+_get_cid: Final = itemgetter(TurnLogKey.CONVERSATION_ID)
+_get_ts: Final = itemgetter(TurnLogKey.TS)
+_get_prompt: Final = itemgetter(TurnLogKey.PROMPT_TOKENS)
+_get_completion: Final = itemgetter(TurnLogKey.COMPLETION_TOKENS)
 _NONE: Final = type(None)
 _TS_TYPES: Final = frozenset((float, int))
 _PROMPT_TYPES: Final = frozenset((int,))
@@ -261,7 +261,7 @@ def _request_columns(lines: list[bytes]) -> tuple[list[Any], list[Any], list[Any
 
 
 def _request_lines(
-    lines: list[bytes], newline: bytes, first: int, rd: _Read, turnlog: bool, an: Analyzer
+    lines: list[bytes], newline: bytes, first: int, rd: _Read, turnlog: bool, an: TurnSink
 ) -> Iterator[TurnInput]:
     """The turns of ``requests`` or ``turnlog`` lines, one line at a time; ``first`` is the number
     of the first line. Malformed lines are reported to ``rd``."""
@@ -282,10 +282,10 @@ def _request_lines(
         if type(obj) is not dict:
             rd.add(lineno, "not a JSON object")
             continue
-        cid = obj.get("conversation_id")
-        ts = obj.get("ts")
-        p = obj.get("prompt_tokens")
-        c = obj.get("completion_tokens")
+        cid = obj.get(TurnLogKey.CONVERSATION_ID)
+        ts = obj.get(TurnLogKey.TS)
+        p = obj.get(TurnLogKey.PROMPT_TOKENS)
+        c = obj.get(TurnLogKey.COMPLETION_TOKENS)
         if type(cid) is not str or not cid:
             rd.add(lineno, f"conversation_id must be a non-empty string, got {cid!r}")
             continue
@@ -299,11 +299,11 @@ def _request_lines(
             if c is not None and (type(c) is not int or c < 0):
                 c = _count(c, "completion_tokens", optional=True)
             if turnlog:
-                gap = obj.get("gap_s")
+                gap = obj.get(TurnLogKey.GAP_S)
                 if gap is not None:
                     gap = _number(gap, "gap_s")
-                status = obj.get("status")
-                reused = obj.get("reused_tokens")
+                status = obj.get(TurnLogKey.STATUS)
+                reused = obj.get(TurnLogKey.REUSED_TOKENS)
                 if status is not None or reused is not None:
                     observe(
                         status if isinstance(status, str) else None,
@@ -316,7 +316,7 @@ def _request_lines(
         yield cid, ts, p, c, None, gap
 
 
-def _read_requests(f: IO[bytes], rd: _Read, progress: Progress | None, turnlog: bool, an: Analyzer) -> None:
+def _read_requests(f: IO[bytes], rd: _Read, progress: Progress | None, turnlog: bool, an: TurnSink) -> None:
     """The hot path for ``requests`` and ``turnlog``: a chunk of lines at a time, parsed and checked
     as columns when every line is a plain valid request, else line by line."""
     nbytes = [0]
@@ -346,7 +346,7 @@ Converter = Callable[[object], TurnInput]  # raises ValueError with a message fo
 def _vllm_record(obj: object) -> TurnInput:
     if not isinstance(obj, dict):
         raise ValueError("not a JSON object")
-    cid = obj.get("conversation_id")
+    cid = obj.get(BODY_CONVERSATION_ID)  # vLLM's benchmark spells it as its multi-turn proxy does
     if isinstance(cid, int) and not isinstance(cid, bool):
         cid = str(cid)
     if not isinstance(cid, str) or not cid:
@@ -550,7 +550,7 @@ def _starts_array(path: str | Path) -> bool:
 
 
 def read_into(
-    an: Analyzer,
+    an: TurnSink,
     path: str | Path,
     fmt: InputFormat | None = None,
     *,

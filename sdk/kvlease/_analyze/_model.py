@@ -33,7 +33,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from itertools import repeat
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from kvlease._analyze._types import AnalysisReport, InputSummary, TurnIndexFigures, ratio
 
@@ -65,6 +65,22 @@ TurnInput = tuple[str, float, "int | None", "int | None", "float | None", "float
 _F: Final = 5
 _REC: Final = 2
 Record = tuple[float, "int | None", "int | None", "float | None", "float | None"]
+
+
+class TurnSink(Protocol):
+    """What the readers in ``_formats`` feed: the :class:`Analyzer`, or the planner's collector."""
+
+    def add_many(self, turns: Iterable[TurnInput]) -> None: ...
+
+    def add_columns(
+        self,
+        conversation_ids: Sequence[str],
+        ts: Sequence[float],
+        prompt_tokens: Sequence[int | None],
+        completion_tokens: Sequence[int | None],
+    ) -> None: ...
+
+    def observe_status(self, status: str | None, reused_tokens: int | None) -> None: ...
 
 
 class GapHistogram:
@@ -195,6 +211,12 @@ class Analyzer:
         self._idx = ([0] * n_idx, [0] * n_idx, [0] * n_idx, [0] * n_idx)
         self._statuses: Counter[str] = Counter()
         self._reused = 0
+        self._late_ids: set[str] = set()
+
+    @property
+    def late_conversations(self) -> frozenset[str]:
+        """The conversations that had a late turn (an exact pass sorts these: ``_exact``)."""
+        return frozenset(self._late_ids)
 
     # ---------------------------------------------------------------------------------------------
     def add(
@@ -293,7 +315,9 @@ class Analyzer:
                 if ts < pts:  # older than the latest turn: late, or inserted among the latest ones
                     self._acc = [recovered, idle, saved_ttl, saved_recovered, c_unknown]
                     self._exact = exact
-                    late += self._insert(st, (ts, p, c, end, gap))
+                    if self._insert(st, (ts, p, c, end, gap)):
+                        late += 1
+                        self._late_ids.add(cid)
                     recovered, idle, saved_ttl, saved_recovered, c_unknown = self._acc
                     exact = self._exact
                     exact_limit = EXACT_GAPS_LIMIT + len(self._exact_out)

@@ -54,7 +54,9 @@ def render_table(report: AnalysisReport) -> Table:
     t.add_row("turns", _int(r.turns), f"longest conversation: {_int(r.max_turns_in_conversation)} turns")
     t.add_row("follow-up turns", _int(r.follow_up_turns), "turns after a conversation's first")
     if r.late_turns:
-        t.add_row("late turns", _int(r.late_turns), "too far out of order: counted, not paired")
+        t.add_row("late turns", _int(r.late_turns), "too far out of order: counted, not paired (--no-exact)")
+    if r.input.passes > 1:
+        t.add_row("passes", str(r.input.passes), "turns out of order: read again, sorted per conversation")
     t.add_section()
     t.add_row(
         "repeated prompt share, lower bound",

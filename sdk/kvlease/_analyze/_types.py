@@ -23,6 +23,7 @@ class InputSummary:
     malformed: int = 0
     malformed_examples: tuple[tuple[int, str], ...] = ()
     truncated: str | None = None  # set when the reader had to stop early (broken JSON array)
+    passes: int = 1  # 2 when turns arrived out of the reorder window and an exact pass sorted them
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,7 @@ class AnalysisReport:
                 "malformed": self.input.malformed,
                 "malformed_examples": [{"line": n, "error": m} for n, m in self.input.malformed_examples],
                 "truncated": self.input.truncated,
+                "passes": self.input.passes,
             },
             "settings": {"ttl_s": self.ttl, "max_idle_s": self.max_idle},
             "conversations": self.conversations,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -10,7 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
-from kvlease._analyze._api import analyze
+from kvlease._analyze._api import STDIN, analyze, spilled_size
 from kvlease._analyze._formats import (
     MOONCAKE_BLOCK_SIZE,
     FormatDetectionError,
@@ -21,13 +22,22 @@ from kvlease._analyze._model import DEFAULT_MAX_IDLE, DEFAULT_REORDER_WINDOW, DE
 from kvlease._analyze._report import render, to_json_text
 
 
+def input_path(value: Path) -> Path:
+    """The input argument: an existing readable file, or ``-`` for standard input (checked here:
+    typer's ``exists`` with ``allow_dash`` refuses ``-``)."""
+    if str(value) == STDIN:
+        return value
+    if not value.is_file() or not os.access(value, os.R_OK):
+        raise typer.BadParameter(f"file {str(value)!r} does not exist or is not a readable file")
+    return value
+
+
 def analyze_command(
     file: Path = typer.Argument(
         ...,
-        exists=True,
         dir_okay=False,
-        readable=True,
-        help="Turn log, request log, vLLM stats or Mooncake trace.",
+        callback=input_path,
+        help="Turn log, request log, vLLM stats or Mooncake trace; - reads standard input.",
     ),
     ttl: float = typer.Option(
         DEFAULT_TTL, "--ttl", min=0, help="Fixed TTL of retained decode KV, seconds (vLLM's default 480)."
@@ -52,6 +62,11 @@ def analyze_command(
     mooncake_block_size: int = typer.Option(
         MOONCAKE_BLOCK_SIZE, "--mooncake-block-size", min=1, help="Tokens per hash id in Mooncake traces."
     ),
+    exact: bool = typer.Option(
+        True,
+        "--exact/--no-exact",
+        help="Read the input again when turns arrive out of the reorder window, so the figures are exact.",
+    ),
 ) -> None:
     """Would this traffic benefit from kvlease (bidirectional KV transfer with renewable leases)?
 
@@ -71,7 +86,8 @@ def analyze_command(
             err.print(f"[red]error:[/red] {escape(str(e))}")
             raise typer.Exit(1) from None
 
-    show_progress = not as_json and err.is_terminal
+    size = spilled_size(file)
+    show_progress = not as_json and err.is_terminal and size is not None
     try:
         if show_progress:
             with Progress(
@@ -83,7 +99,7 @@ def analyze_command(
                 console=err,
                 transient=True,
             ) as bar:
-                task = bar.add_task(f"reading {file.name}", total=file.stat().st_size)
+                task = bar.add_task(f"reading {file.name}", total=size)
                 report = analyze(
                     file,
                     ttl=ttl,
@@ -93,6 +109,7 @@ def analyze_command(
                     reorder_window=reorder_window,
                     mooncake_block_size=mooncake_block_size,
                     progress=lambda done: bar.update(task, completed=done),
+                    exact=exact,
                 )
         else:
             report = analyze(
@@ -103,6 +120,7 @@ def analyze_command(
                 strict=strict,
                 reorder_window=reorder_window,
                 mooncake_block_size=mooncake_block_size,
+                exact=exact,
             )
     except FormatDetectionError as e:
         err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False)

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
 from typing import Any, Final
 
-from kvlease.protocol._common import RENEW_MAX_IDS, InvalidConversationId, ProtocolError, _is_number
+from kvlease.protocol._common import (
+    PROTOCOL_VERSION,
+    RENEW_MAX_IDS,
+    InvalidConversationId,
+    ProtocolError,
+    _is_number,
+)
 
 # --------------------------------------------------------------------------------------------------
 # Client -> router
@@ -26,10 +32,23 @@ REUSE_OFF: Final = "off"
 
 #: Optional tenant header (the router is configured to trust it, else the bearer token is used).
 DEFAULT_TENANT_HEADER: Final = "X-KVLease-Tenant"
+#: The client's bearer token: the default tenant, forwarded to the vLLM servers as it came.
+HEADER_AUTHORIZATION: Final = "Authorization"
+#: Azure-style API key header; the SDK copies it (like ``Authorization``) to renew and release.
+HEADER_API_KEY: Final = "api-key"
 
 #: Conversation ids: 1-128 characters of [A-Za-z0-9._:-].
 CONVERSATION_ID_MAX_LEN: Final = 128
 CONVERSATION_ID_PATTERN: Final = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+
+#: Fields a server may use for an assistant message's reasoning text (vLLM's reasoning parsers), in
+#: lookup order: when a message carries both non-empty, ``reasoning`` (vLLM's current name) wins.
+#: The first is also the name a client writes back when it does not know which one the server used.
+REASONING_FIELDS: Final = ("reasoning", "reasoning_content")
+
+#: The last event of an OpenAI-style SSE stream, and its ``data:`` payload.
+SSE_DONE_DATA: Final = "[DONE]"
+SSE_DONE: Final = f"data: {SSE_DONE_DATA}\n\n"
 
 # --------------------------------------------------------------------------------------------------
 # Router -> client
@@ -153,3 +172,110 @@ class RenewResponse:
             leases[str(cid)] = float(exp) if _is_number(exp) else None
         ttl = data.get("ttl")
         return cls(leases, float(ttl) if _is_number(ttl) else None)
+
+
+@dataclass(frozen=True)
+class ReleaseResponse:
+    """``DELETE /v1/kvlease/conversations/{id}`` answer.
+
+    JSON: ``{"conversation_id": "<id>", "known": true, "released": true}``: ``known``: the router
+    had state for it; ``released``: the decode node freed its blocks now (else they lapse on their own).
+    """
+
+    conversation_id: str
+    known: bool
+    released: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {"conversation_id": self.conversation_id, "known": self.known, "released": self.released}
+
+    @classmethod
+    def from_json(cls, data: object) -> ReleaseResponse:
+        if not isinstance(data, Mapping) or not isinstance(data.get("conversation_id"), str):
+            raise ProtocolError("release answer must be an object with a 'conversation_id'")
+        return cls(data["conversation_id"], data.get("known") is True, data.get("released") is True)
+
+
+# --------------------------------------------------------------------------------------------------
+# The router's /v1/kvlease/status and /health
+# --------------------------------------------------------------------------------------------------
+
+#: ``RouterStatus.mode``: a kvlease cluster (renewals, verified pulls), or stock vLLM nodes.
+MODE_KVLEASE: Final = "kvlease"
+MODE_STOCK_VLLM: Final = "stock-vllm"
+
+#: ``RouterHealth.status`` (HTTP 200 with ``ok``, 503 with ``degraded``).
+HEALTH_OK: Final = "ok"
+HEALTH_DEGRADED: Final = "degraded"
+
+
+@dataclass(frozen=True)
+class RouterHealth:
+    """``GET /health`` of the router: ``ok`` when a prefill and a decode node are healthy."""
+
+    prefill_healthy: bool
+    decode_healthy: bool
+
+    @property
+    def ok(self) -> bool:
+        return self.prefill_healthy and self.decode_healthy
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "status": HEALTH_OK if self.ok else HEALTH_DEGRADED,
+            "prefill_healthy": self.prefill_healthy,
+            "decode_healthy": self.decode_healthy,
+        }
+
+    @classmethod
+    def from_json(cls, data: object) -> RouterHealth:
+        if not isinstance(data, Mapping):
+            raise ProtocolError("health must be a JSON object")
+        return cls(data.get("prefill_healthy") is True, data.get("decode_healthy") is True)
+
+
+@dataclass(frozen=True)
+class RouterStatus:
+    """``GET /v1/kvlease/status``: what the router runs with (keys in this order).
+
+    ``prefill`` / ``decode``: one description object per node (url, health, role facts).
+    """
+
+    kvlease_version: str
+    protocol_version: int
+    mode: str  # MODE_KVLEASE or MODE_STOCK_VLLM
+    renewals: bool
+    reuse: bool
+    verified_pull: bool
+    stream_capture: bool
+    notes: tuple[str, ...]
+    ttl_s: float
+    decode_ttl_s: float
+    ttl_margin_s: float
+    model: str | None
+    vllm_version: str | None
+    block_size: int | None
+    store: str
+    tenant_header: str | None
+    uptime_s: float
+    prefill: tuple[Mapping[str, Any], ...] = field(default=())
+    decode: tuple[Mapping[str, Any], ...] = field(default=())
+
+    def to_json(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["notes"] = list(self.notes)
+        out["prefill"] = [dict(n) for n in self.prefill]
+        out["decode"] = [dict(n) for n in self.decode]
+        return out
+
+    @classmethod
+    def from_json(cls, data: object) -> RouterStatus:
+        if not isinstance(data, Mapping) or not isinstance(data.get("mode"), str):
+            raise ProtocolError("status must be a JSON object with a 'mode'")
+        kw: dict[str, Any] = {f.name: data.get(f.name) for f in fields(cls)}
+        if not isinstance(kw["protocol_version"], int):
+            kw["protocol_version"] = PROTOCOL_VERSION
+        for name in ("notes", "prefill", "decode"):
+            items = kw[name]
+            kw[name] = tuple(items) if isinstance(items, Sequence) and not isinstance(items, str) else ()
+        return cls(**kw)

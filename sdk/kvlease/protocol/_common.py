@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, Final, TypeGuard
 
 PROTOCOL_VERSION: Final = 1
@@ -15,6 +16,53 @@ class ProtocolError(ValueError):
 
 class InvalidConversationId(ProtocolError):
     """A conversation id is empty, longer than 128 characters or has characters outside [A-Za-z0-9._:-]."""
+
+
+# --------------------------------------------------------------------------------------------------
+# The error body (router and control endpoint)
+# --------------------------------------------------------------------------------------------------
+
+#: ``error.type`` values (OpenAI's error types, plus the router's own upstream/store failures).
+ERROR_INVALID_REQUEST: Final = "invalid_request_error"
+ERROR_SERVER: Final = "server_error"
+ERROR_UPSTREAM: Final = "upstream_error"
+ERROR_STORE_UNAVAILABLE: Final = "store_unavailable"
+
+
+@dataclass(frozen=True)
+class ErrorBody:
+    """Every kvlease error answer, in OpenAI's error shape (so the openai client reads the message).
+
+    JSON: ``{"error": {"message": "...", "type": "invalid_request_error", "code": 400}}``; ``code``
+    (the HTTP status, where the writer gives one) is left out when ``None``.
+    """
+
+    message: str
+    type: str = ERROR_INVALID_REQUEST
+    code: int | str | None = None
+
+    @classmethod
+    def for_status(cls, status: int, message: str) -> ErrorBody:
+        """The body of an HTTP ``status`` answer: a server error from 500 up, else a bad request."""
+        return cls(message, ERROR_SERVER if status >= 500 else ERROR_INVALID_REQUEST, status)
+
+    def to_json(self) -> dict[str, Any]:
+        inner: dict[str, Any] = {"message": self.message, "type": self.type}
+        if self.code is not None:
+            inner["code"] = self.code
+        return {"error": inner}
+
+    @classmethod
+    def from_json(cls, data: object) -> ErrorBody:
+        inner = data.get("error") if isinstance(data, Mapping) else None
+        if not isinstance(inner, Mapping) or not isinstance(inner.get("message"), str):
+            raise ProtocolError("error body must be {'error': {'message': ...}}")
+        kind, code = inner.get("type"), inner.get("code")
+        return cls(
+            inner["message"],
+            kind if isinstance(kind, str) else ERROR_INVALID_REQUEST,
+            code if isinstance(code, (int, str)) and not isinstance(code, bool) else None,
+        )
 
 
 # --------------------------------------------------------------------------------------------------

@@ -10,16 +10,34 @@ from typing import Any, Final
 # Turn log (SDK -> analyzer)
 # --------------------------------------------------------------------------------------------------
 
-#: Keys of one turn-log JSON line, in order.
+
+class TurnLogKey:
+    """Keys of one turn-log JSON line."""
+
+    CONVERSATION_ID: Final = "conversation_id"
+    TS: Final = "ts"
+    PROMPT_TOKENS: Final = "prompt_tokens"
+    COMPLETION_TOKENS: Final = "completion_tokens"
+    TTFT_S: Final = "ttft_s"
+    STATUS: Final = "status"  # a ReuseStatus value
+    REUSED_TOKENS: Final = "reused_tokens"
+    GAP_S: Final = "gap_s"
+    # written by the SDK after the fields above (in ``TurnLogRecord.extra``); the analyzer skips them
+    TURN: Final = "turn"  # the turn's index in its conversation
+    HISTORY: Final = "history"  # how the history compared with the previous turn's
+    REUSE_OFF: Final = "reuse_off"  # the SDK sent the per-turn reuse opt-out
+
+
+#: Keys of one turn-log JSON line, in order (the SDK's extras follow them).
 TURN_LOG_FIELDS: Final = (
-    "conversation_id",
-    "ts",
-    "prompt_tokens",
-    "completion_tokens",
-    "ttft_s",
-    "status",
-    "reused_tokens",
-    "gap_s",
+    TurnLogKey.CONVERSATION_ID,
+    TurnLogKey.TS,
+    TurnLogKey.PROMPT_TOKENS,
+    TurnLogKey.COMPLETION_TOKENS,
+    TurnLogKey.TTFT_S,
+    TurnLogKey.STATUS,
+    TurnLogKey.REUSED_TOKENS,
+    TurnLogKey.GAP_S,
 )
 
 

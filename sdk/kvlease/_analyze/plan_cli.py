@@ -1,0 +1,181 @@
+"""``kvlease plan FILE``: the capacity planner's command (registered in the ``kvlease.commands``
+entry-point group). A thin shell: options -> :class:`PlanConfig` -> ``plan()`` -> table or JSON."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import Final
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from kvlease._analyze._formats import (
+    MOONCAKE_BLOCK_SIZE,
+    FormatDetectionError,
+    InputFormat,
+    MalformedInputError,
+)
+from kvlease._analyze._model import DEFAULT_MAX_IDLE, DEFAULT_TTL
+from kvlease._analyze._plan import DEFAULT_BLOCK_SIZE, DTYPE_BYTES, PRESETS, ModelKV
+from kvlease._analyze._plan_api import plan
+from kvlease._analyze._plan_report import DEFAULT_POINTS, DEFAULT_TARGET, PlanConfig, render, to_json_text
+from kvlease._analyze.cli import input_path
+
+_UNITS: Final = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+                 "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+_SIZE: Final = re.compile(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> int:
+    """``80GiB``, ``40 GB``, ``512MiB``, ``1e9``: a size in bytes (decimal units: kB, MB, GB, TB)."""
+    m = _SIZE.fullmatch(text)
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _UNITS:
+        raise typer.BadParameter(f"not a size: {text!r} (e.g. 80GiB, 40GB, 512MiB)")
+    return round(float(m.group(1)) * _UNITS[unit])
+
+
+def kv_bytes_per_token(
+    model: str | None,
+    per_token: int | None,
+    layers: int | None,
+    kv_heads: int | None,
+    head_dim: int | None,
+    dtype: str,
+) -> tuple[int, str]:
+    """One of: a preset, ``--kv-bytes-per-token``, or ``--layers/--kv-heads/--head-dim`` (``--dtype``)."""
+    shape = (layers, kv_heads, head_dim)
+    given = sum((model is not None, per_token is not None, any(v is not None for v in shape)))
+    if given != 1:
+        raise typer.BadParameter(
+            "give exactly one of --model, --kv-bytes-per-token, or --layers/--kv-heads/--head-dim",
+            param_hint="--model",
+        )
+    if model is not None:
+        preset = PRESETS.get(model.lower())
+        if preset is None:
+            raise typer.BadParameter(
+                f"unknown model {model!r}; presets: {', '.join(PRESETS)}", param_hint="--model"
+            )
+        m = ModelKV(preset.layers, preset.kv_heads, preset.head_dim, dtype, preset.name)
+        return m.bytes_per_token, f"{m.name} ({dtype})"
+    if per_token is not None:
+        return per_token, ""
+    if any(v is None for v in shape):
+        raise typer.BadParameter("--layers, --kv-heads and --head-dim go together", param_hint="--layers")
+    m = ModelKV(layers or 0, kv_heads or 0, head_dim or 0, dtype)
+    return m.bytes_per_token, f"{layers} layers x {kv_heads} KV heads x {head_dim} ({dtype})"
+
+
+def plan_command(
+    file: Path = typer.Argument(
+        ...,
+        dir_okay=False,
+        callback=input_path,
+        help="Turn log, request log, vLLM stats or Mooncake trace; - reads standard input.",
+    ),
+    model: str | None = typer.Option(None, "--model", help=f"A preset: {', '.join(PRESETS)}."),
+    per_token: int | None = typer.Option(None, "--kv-bytes-per-token", min=1, help="KV bytes per token."),
+    layers: int | None = typer.Option(
+        None, "--layers", min=1, help="Model layers (with --kv-heads, --head-dim)."
+    ),
+    kv_heads: int | None = typer.Option(None, "--kv-heads", min=1, help="KV heads (GQA groups)."),
+    head_dim: int | None = typer.Option(None, "--head-dim", min=1, help="Head dimension."),
+    dtype: str = typer.Option("bf16", "--dtype", help=f"KV cache dtype: {', '.join(DTYPE_BYTES)}."),
+    nodes: int = typer.Option(1, "--nodes", min=1, help="Decode nodes (conversations hashed to nodes)."),
+    caps: list[str] | None = typer.Option(
+        None,
+        "--cap",
+        help="Retention cap per node to try, e.g. 40GiB (repeat); "
+        "default: caps halving down from the uncapped need.",
+    ),
+    points: int = typer.Option(DEFAULT_POINTS, "--points", min=0, help="Caps in the default sweep."),
+    ttl: float = typer.Option(
+        DEFAULT_TTL, "--ttl", min=0, help="Fixed TTL (upstream vLLM's decoder_kv_blocks_ttl)."
+    ),
+    max_idle: float = typer.Option(DEFAULT_MAX_IDLE, "--max-idle", min=0, help="Lease max-idle, seconds."),
+    block_size: int = typer.Option(DEFAULT_BLOCK_SIZE, "--block-size", min=1, help="KV block size, tokens."),
+    node_kv: str | None = typer.Option(
+        None,
+        "--node-kv-bytes",
+        help="KV cache of one decode node, e.g. 60GiB (to recommend max_retained_fraction).",
+    ),
+    target: float = typer.Option(
+        DEFAULT_TARGET,
+        "--target",
+        min=0.0,
+        max=1.0,
+        help="Share of the uncapped lease hits the recommended cap keeps.",
+    ),
+    release_on_close: bool = typer.Option(
+        False,
+        "--release-on-close",
+        help="Leases: the client releases when a conversation closes (its last turn retains nothing).",
+    ),
+    input_format: InputFormat | None = typer.Option(
+        None, "--format", case_sensitive=False, help="Input format."
+    ),
+    strict: bool = typer.Option(False, "--strict", help="Fail on the first malformed record (exit 1)."),
+    mooncake_block_size: int = typer.Option(MOONCAKE_BLOCK_SIZE, "--mooncake-block-size", min=1),
+    as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON on stdout."),
+    plot: Path | None = typer.Option(
+        None,
+        "--plot",
+        dir_okay=False,
+        help="Write a PNG: hit rate and reused tokens against the retention cap per node.",
+    ),
+) -> None:
+    """How much decode memory would leases hold for this traffic, and what hit rate does each amount buy?
+
+    Replays the trace through a model of decode-side KV retention (fixed TTL as upstream vLLM, heartbeat leases with max-idle as kvlease, leases under a per-node cap evicting the oldest deadline first) and recommends a lease TTL, max-idle and max_retained_fraction.
+    """
+    err = Console(stderr=True)
+    if dtype not in DTYPE_BYTES:
+        raise typer.BadParameter(f"one of {', '.join(DTYPE_BYTES)}", param_hint="--dtype")
+    bpt, label = kv_bytes_per_token(model, per_token, layers, kv_heads, head_dim, dtype)
+    config = PlanConfig(
+        bytes_per_token=bpt,
+        nodes=nodes,
+        ttl=ttl,
+        max_idle=max_idle,
+        block_size=block_size,
+        caps=None if not caps else tuple(parse_bytes(c) for c in caps),
+        points=points,
+        node_kv_bytes=None if node_kv is None else parse_bytes(node_kv),
+        target=target,
+        model=label,
+        release_on_close=release_on_close,
+    )
+    if plot is not None:
+        from kvlease._analyze._plot import PlotUnavailableError, _matplotlib
+
+        try:
+            _matplotlib()
+        except PlotUnavailableError as e:
+            err.print(f"[red]error:[/red] {escape(str(e))}")
+            raise typer.Exit(1) from None
+    try:
+        result = plan(
+            file, config, format=input_format, strict=strict, mooncake_block_size=mooncake_block_size
+        )
+    except FormatDetectionError as e:
+        err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False)
+        raise typer.Exit(2) from None
+    except MalformedInputError as e:
+        err.print(f"[red]error:[/red] {escape(f'{file}: {e}')} (--strict)", highlight=False)
+        raise typer.Exit(1) from None
+    if as_json:
+        sys.stdout.write(to_json_text(result) + "\n")
+    else:
+        render(result, Console())
+    if result.source.get("malformed"):
+        err.print(f"warning: {result.source['malformed']:,} malformed records skipped", highlight=False)
+    if plot is not None:
+        from kvlease._analyze._plan_plot import plot_plan
+
+        plot_plan(result, plot)
+        if not as_json:
+            err.print(f"plot written to {escape(str(plot))}", highlight=False)
