@@ -16,10 +16,10 @@ import orjson
 from aiohttp import web
 
 from kvlease.protocol import (
-    CONTROL_RENEW_PATH,
-    ControlRenewRequest,
-    ControlRenewResponse,
+    ERROR_STORE_UNAVAILABLE,
+    ControlCallError,
     ProtocolError,
+    ReleaseResponse,
     RenewRequest,
     RenewResponse,
     validate_conversation_id,
@@ -35,20 +35,10 @@ async def _renew_on(
     router: RouterRuntime, control: str, lease_ids: list[str]
 ) -> dict[str, float | None] | None:
     """D's new ``expires_in`` per lease id, or ``None`` when the control call failed."""
-    s = router.settings
-    body = orjson.dumps(ControlRenewRequest(tuple(lease_ids), router.ttl + s.ttl_margin).to_json())
     try:
-        async with router.http().post(
-            control + CONTROL_RENEW_PATH,
-            data=body,
-            headers=router.control_headers(),
-            timeout=aiohttp.ClientTimeout(total=s.control_timeout),
-        ) as resp:
-            raw = await resp.read()
-            if resp.status >= 400:
-                raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
-        return dict(ControlRenewResponse.from_json(orjson.loads(raw)).expires_in)
-    except (aiohttp.ClientError, asyncio.TimeoutError, orjson.JSONDecodeError, ProtocolError) as e:
+        answer = await router.control(control).renew(lease_ids, router.ttl + router.settings.ttl_margin)
+        return dict(answer.expires_in)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ControlCallError, ProtocolError) as e:
         router.metrics.upstream_errors["control"].inc()
         router.metrics.renewals["failed"].inc(len(lease_ids))
         log.warning("renew on %s failed: %s", control, type(e).__name__)
@@ -116,7 +106,7 @@ def _lease_id(state: ConversationRecord | None) -> str:
 
 
 async def handle_release(request: web.Request, router: RouterRuntime) -> web.Response:
-    raw_id = request.match_info.get("conversation_id", "")
+    raw_id = request.match_info.get("id", "")
     try:
         cid = validate_conversation_id(raw_id)
     except ProtocolError as e:
@@ -126,9 +116,9 @@ async def handle_release(request: web.Request, router: RouterRuntime) -> web.Res
         state = await router.store.delete(key)
     except StoreError as e:  # say so; the lease lapses on its own
         router.metrics.store_errors.inc()
-        return error_response(503, f"state store unavailable: {e}", "store_unavailable")
+        return error_response(503, f"state store unavailable: {e}", ERROR_STORE_UNAVAILABLE)
     released = False
     if state is not None and state.control and state.lease_id and router.settings.kvlease_mode:
         released = await router.release_on_decode(state.control, [state.lease_id])
-    body = {"conversation_id": cid, "known": state is not None, "released": released}
+    body = ReleaseResponse(cid, known=state is not None, released=released).to_json()
     return web.Response(body=orjson.dumps(body), content_type=JSON_CT)

@@ -28,11 +28,11 @@ from typing import Any
 from kvlease.protocol import (
     KV,
     KV_TRANSFER_PARAMS,
-    PREFILL_REUSE_STATUS,
-    PREFILL_REUSED_TOKENS,
-    LeaseHandleExt,
+    PrefillReport,
     ProtocolError,
     ReuseStatus,
+    TransferParams,
+    pull_request_params,
 )
 from kvlease_router._store import ConversationRecord
 
@@ -68,10 +68,7 @@ def decide_offer(
         return Offer(ReuseStatus.MISS)
     if continuity_ok is False:
         return Offer(ReuseStatus.MISMATCH)
-    handle = dict(state.params)
-    handle[KV.DO_REMOTE_DECODE] = True
-    handle[KV.DO_REMOTE_PREFILL] = False
-    return Offer(ReuseStatus.HIT, handle)
+    return Offer(ReuseStatus.HIT, pull_request_params(state.params))
 
 
 def _nonneg_int(v: object) -> int | None:
@@ -81,20 +78,14 @@ def _nonneg_int(v: object) -> int | None:
 def judge_prefill(p_body: Mapping[str, Any], offered_tokens: int) -> tuple[ReuseStatus, int]:
     """Status and reused tokens of a turn whose handle was sent to P, from P's JSON answer."""
     params = p_body.get(KV_TRANSFER_PARAMS)
-    report = params.get(KV.KVLEASE) if isinstance(params, Mapping) else None
-    if isinstance(report, Mapping):
-        reused = _nonneg_int(report.get(PREFILL_REUSED_TOKENS))
-        if reused is not None:
-            if reused > 0:
-                return ReuseStatus.HIT, reused
-            said = ReuseStatus.parse(
-                report.get(PREFILL_REUSE_STATUS)
-                if isinstance(report.get(PREFILL_REUSE_STATUS), str)
-                else None
-            )
-            if said in (ReuseStatus.MISMATCH, ReuseStatus.EXPIRED, ReuseStatus.MISS, ReuseStatus.ERROR):
-                return said, 0
-            return ReuseStatus.MISS, 0
+    report = _report(params.get(KV.KVLEASE)) if isinstance(params, Mapping) else None
+    if report is not None:
+        if report.reused_tokens > 0:
+            return ReuseStatus.HIT, report.reused_tokens
+        said = ReuseStatus.parse(report.reuse)
+        if said in (ReuseStatus.MISMATCH, ReuseStatus.EXPIRED, ReuseStatus.MISS, ReuseStatus.ERROR):
+            return said, 0
+        return ReuseStatus.MISS, 0
     usage = p_body.get("usage")
     details = usage.get("prompt_tokens_details") if isinstance(usage, Mapping) else None
     if isinstance(details, Mapping):
@@ -106,8 +97,16 @@ def judge_prefill(p_body: Mapping[str, Any], offered_tokens: int) -> tuple[Reuse
     return ReuseStatus.HIT, estimate
 
 
+def _report(raw: object) -> PrefillReport | None:
+    try:
+        return PrefillReport.from_json(raw)
+    except ProtocolError:
+        return None  # no report (stock vLLM), or not one: P's usage decides
+
+
 @dataclass(frozen=True)
 class Captured:
+    #: The handle to store: :meth:`TransferParams.to_json` of the parsed one (what P will get).
     params: dict[str, Any]
     lease_id: str | None
     control: str | None
@@ -115,21 +114,27 @@ class Captured:
 
 
 def capture_handle(params: object, *, kvlease_mode: bool, node_control: str | None) -> Captured | None:
-    """D's returned ``kv_transfer_params`` as a reusable handle, or ``None`` if it is not one."""
+    """D's returned ``kv_transfer_params`` as a reusable handle, or ``None`` if it is not one.
+
+    Parsed once, here, by :meth:`TransferParams.from_json` (the checks P applies to every field
+    that is present); the router needs blocks and an engine, and with the kvlease connector the
+    ``kvlease`` object (its hashes, lease id and control endpoint).
+    """
     if not isinstance(params, dict):
         return None
-    blocks = params.get(KV.REMOTE_BLOCK_IDS)
-    if not blocks or not isinstance(params.get(KV.REMOTE_ENGINE_ID), str):
-        return None
-    request_id = params.get(KV.REMOTE_REQUEST_ID)
-    tokens = _nonneg_int(params.get(KV.REMOTE_NUM_TOKENS)) or 0
-    if not kvlease_mode:
-        return Captured(params, request_id if isinstance(request_id, str) else None, None, tokens)
     try:
-        ext = LeaseHandleExt.from_json(params.get(KV.KVLEASE))
+        handle = TransferParams.from_json(params)
     except ProtocolError:
+        return None  # P would refuse it: not worth storing or offering
+    if not handle.block_ids or handle.engine_id is None:
+        return None
+    tokens = handle.num_tokens or 0
+    if not kvlease_mode:
+        return Captured(handle.to_json(), handle.request_id, None, tokens)
+    ext = handle.kvlease
+    if ext is None:
         return None  # without verified hashes the handle is not safe to offer
-    return Captured(params, ext.lease_id, ext.control or node_control, ext.num_tokens or tokens)
+    return Captured(handle.to_json(), ext.lease_id, ext.control or node_control, ext.num_tokens or tokens)
 
 
 def strip_params(obj: Any) -> Any:

@@ -17,7 +17,14 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from kvlease.protocol import CONTROL_AUTH_HEADER, CONTROL_RELEASE_PATH, ControlReleaseRequest
+from kvlease.protocol import (
+    CONTROL_AUTH_HEADER,
+    ERROR_INVALID_REQUEST,
+    AsyncControlClient,
+    ControlCallError,
+    ErrorBody,
+    ProtocolError,
+)
 from kvlease_router._identity import Keyer, log_ref
 from kvlease_router._metrics import MissRateMonitor, RouterMetrics
 from kvlease_router._settings import RouterSettings
@@ -50,9 +57,9 @@ class RequestIds:
         return self._buf[at : at + 16].hex()
 
 
-def error_response(status: int, message: str, code: str = "invalid_request_error") -> web.Response:
-    """An OpenAI-style error body."""
-    body = {"error": {"message": message, "type": code, "code": status}}
+def error_response(status: int, message: str, code: str = ERROR_INVALID_REQUEST) -> web.Response:
+    """An OpenAI-style error body (:class:`kvlease.protocol.ErrorBody`)."""
+    body = ErrorBody(message, code, status).to_json()
     return web.Response(status=status, body=orjson.dumps(body), content_type=JSON_CT)
 
 
@@ -136,22 +143,18 @@ class RouterRuntime:
         if self._background:
             await asyncio.wait(list(self._background), timeout=timeout)
 
+    def control(self, url: str) -> AsyncControlClient:
+        """The control API's client for one D's endpoint, on the router's session and secret."""
+        s = self.settings
+        return AsyncControlClient(self.http(), url, secret=s.control_secret, timeout=s.control_timeout)
+
     async def release_on_decode(self, control: str, lease_ids: list[str]) -> bool:
         """``POST /release`` on one D's control endpoint; False if it failed (logged, counted)."""
-        body = orjson.dumps(ControlReleaseRequest(tuple(lease_ids)).to_json())
         try:
-            async with self.http().post(
-                control + CONTROL_RELEASE_PATH,
-                data=body,
-                headers=self.control_headers(),
-                timeout=aiohttp.ClientTimeout(total=self.settings.control_timeout),
-            ) as resp:
-                await resp.read()
-                if resp.status >= 400:
-                    raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
+            await self.control(control).release(lease_ids)
             self.metrics.releases.inc(len(lease_ids))
             return True
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        except (aiohttp.ClientError, asyncio.TimeoutError, ControlCallError, ProtocolError) as e:
             self.metrics.upstream_errors["control"].inc()
             log.warning("release on %s failed: %s", control, type(e).__name__)
             return False

@@ -16,8 +16,6 @@ import json
 import logging
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -29,10 +27,13 @@ from kvlease.protocol import (
     CONTROL_METRICS_PATH,
     CONTROL_RELEASE_PATH,
     CONTROL_RENEW_PATH,
+    ControlClient,
     ControlInfo,
     ControlReleaseRequest,
+    ControlReleaseResponse,
     ControlRenewRequest,
     ControlRenewResponse,
+    ErrorBody,
     ProtocolError,
 )
 from kvlease_vllm._metrics import CONTENT_TYPE_LATEST, ConnectorMetrics
@@ -216,10 +217,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _release(self, body: object) -> None:
         req = ControlReleaseRequest.from_json(body)
-        self._json(HTTPStatus.OK, {"released": self.server.desk.release(req.request_ids)})
+        released = self.server.desk.release(req.request_ids)
+        self._json(HTTPStatus.OK, ControlReleaseResponse(released).to_json())
 
     def _error(self, status: HTTPStatus, message: str, headers: dict[str, str] | None = None) -> None:
-        self._json(status, {"error": {"status": int(status), "message": message}}, headers)
+        self._json(status, ErrorBody.for_status(int(status), message).to_json(), headers)
 
     def _json(self, status: HTTPStatus, obj: object, headers: dict[str, str] | None = None) -> None:
         self._send(status, json.dumps(obj).encode(), "application/json", headers)
@@ -301,21 +303,10 @@ def claim(url: str, lease_id: str, hold_s: float, secret: str | None, timeout: f
     """Claim (renew and pin) ``lease_id`` at a decode node's control endpoint.
 
     Returns seconds left on the lease, or ``None`` when D no longer holds it. Raises ``OSError`` /
-    ``ValueError`` when D does not answer properly (the caller recomputes).
+    ``ValueError`` when D does not answer properly (the caller recomputes). The control API's one
+    client (:class:`kvlease.protocol.ControlClient`, standard library only), sync: it runs in a
+    thread of vLLM's engine process.
     """
-    body = ControlRenewRequest((lease_id,), hold_s, claim=True).to_json()
-    req = urllib.request.Request(
-        url.rstrip("/") + CONTROL_RENEW_PATH,
-        data=json.dumps(body).encode(),
-        method="POST",
-        headers={"Content-Type": "application/json"},
-    )
-    if secret:
-        req.add_header(CONTROL_AUTH_HEADER, f"Bearer {secret}")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            data = json.loads(resp.read(MAX_BODY_BYTES))
-    except urllib.error.HTTPError as e:
-        raise OSError(f"control endpoint answered {e.code}") from None
-    left: float | None = ControlRenewResponse.from_json(data).expires_in.get(lease_id)
+    answer = ControlClient(url, secret=secret, timeout=timeout).renew([lease_id], hold_s, claim=True)
+    left: float | None = answer.expires_in.get(lease_id)
     return left

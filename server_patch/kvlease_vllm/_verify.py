@@ -15,22 +15,35 @@ rejected with a reason, never an exception into the engine.
 from __future__ import annotations
 
 import enum
-import hmac
-import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeGuard
+from typing import Any
 from urllib.parse import urlsplit
 
 from kvlease.protocol import (
     KV,
-    LEASE_HANDLE_MAC,
+    PARALLEL_FIELDS,
     LeaseHandleExt,
     ProtocolError,
+    TransferParams,
     block_hashes,
     common_prefix_blocks,
+    handle_mac,
+    mac_ok,
     tail_hash,
 )
+
+__all__ = [
+    "HandleRejected",
+    "Reason",
+    "RemoteHandle",
+    "handle_ext",
+    "handle_mac",
+    "parse_handle",
+    "strip_remote",
+    "trim_params",
+    "verified_tokens",
+]
 
 
 class Reason(str, enum.Enum):
@@ -58,7 +71,11 @@ class HandleRejected(ValueError):
 
 @dataclass(frozen=True)
 class RemoteHandle:
-    """A parsed, checked ``kv_transfer_params`` from a decode node (P side)."""
+    """A checked pull handle from a decode node (P side): what P needs of it, never ``None``.
+
+    ``params`` is the whole typed handle it was checked from (:class:`~kvlease.protocol.TransferParams`,
+    the one parse of vLLM's dict); :func:`trim_params` makes the trimmed handle from it.
+    """
 
     ext: LeaseHandleExt
     engine_id: str
@@ -67,40 +84,11 @@ class RemoteHandle:
     port: int
     block_ids: tuple[tuple[int, ...], ...]
     num_tokens: int
-
-
-_PARALLEL_FIELDS = (KV.TP_SIZE, "dcp_size", "pp_size")
-_MAX_BLOCK_ID = 1 << 31
+    params: TransferParams | None = None
 
 
 def _reject(detail: str, reason: Reason = Reason.INVALID_HANDLE) -> HandleRejected:
     return HandleRejected(reason, detail)
-
-
-def _int(v: object) -> TypeGuard[int]:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-_MAC_FIELDS = (
-    KV.REMOTE_ENGINE_ID,
-    KV.REMOTE_REQUEST_ID,
-    KV.REMOTE_HOST,
-    KV.REMOTE_PORT,
-    KV.REMOTE_BLOCK_IDS,
-    KV.REMOTE_NUM_TOKENS,
-    *_PARALLEL_FIELDS,
-)
-
-
-def handle_mac(secret: str, params: Mapping[str, Any]) -> str:
-    """HMAC-SHA256 over a handle's routing fields and its ``kvlease`` object (minus the MAC)."""
-    ext = params.get(KV.KVLEASE)
-    body = {k: params.get(k) for k in _MAC_FIELDS}
-    body[KV.KVLEASE] = (
-        {k: v for k, v in ext.items() if k != LEASE_HANDLE_MAC} if isinstance(ext, Mapping) else ext
-    )
-    msg = json.dumps(body, sort_keys=True, separators=(",", ":"), default=list).encode()
-    return hmac.new(secret.encode(), msg, "sha256").hexdigest()
 
 
 def parse_handle(
@@ -113,65 +101,53 @@ def parse_handle(
 ) -> RemoteHandle:
     """Check a pull handle (``do_remote_decode`` with ``remote_block_ids``) or raise HandleRejected.
 
-    With ``secret`` (the shared control secret) the handle must carry D's MAC: nothing a client
-    edits (block ids, engine, host, sizes) is ever used.
+    The wire dict is parsed once, by :meth:`TransferParams.from_json` (the strictness every reader
+    of a handle shares); on top, P requires a complete pull target and applies its own policy:
+    allowed hosts, its KV cache groups, its parallelism limit. With ``secret`` (the shared control
+    secret) the handle must carry D's MAC: nothing a client edits (block ids, engine, host, sizes)
+    is ever used. ``params`` is never modified.
     """
-    raw_ext = params.get(KV.KVLEASE)
-    if raw_ext is None:
+    if params.get(KV.KVLEASE) is None:
         raise _reject("no kvlease object: the handle cannot be verified", Reason.UNVERIFIABLE)
-    if secret is not None:
-        mac = raw_ext.get(LEASE_HANDLE_MAC) if isinstance(raw_ext, Mapping) else None
-        if not isinstance(mac, str) or not hmac.compare_digest(mac, handle_mac(secret, params)):
-            raise _reject("the handle's MAC is missing or wrong (edited after D issued it)")
+    if secret is not None and not mac_ok(secret, params):  # over the dict as received
+        raise _reject("the handle's MAC is missing or wrong (edited after D issued it)")
     try:
-        ext = LeaseHandleExt.from_json(raw_ext)
+        handle = TransferParams.from_json(params)
     except ProtocolError as e:
-        raise _reject(f"bad kvlease object: {e}") from None
-    engine_id = params.get(KV.REMOTE_ENGINE_ID)
-    request_id = params.get(KV.REMOTE_REQUEST_ID)
-    host = params.get(KV.REMOTE_HOST)
-    port = params.get(KV.REMOTE_PORT)
-    if not isinstance(engine_id, str) or not engine_id or len(engine_id) > 512:
+        raise _reject(f"bad handle: {e}") from None
+    ext = handle.kvlease
+    assert ext is not None  # present, and parsed
+    if handle.engine_id is None:
         raise _reject("remote_engine_id must be a non-empty string")
-    if ext.engine_id is not None and ext.engine_id != engine_id:
-        raise _reject("remote_engine_id does not match kvlease.engine_id")
-    if not isinstance(request_id, str) or not request_id or len(request_id) > 512:
+    if handle.request_id is None:
         raise _reject("remote_request_id must be a non-empty string")
-    if request_id != ext.lease_id:
-        raise _reject("remote_request_id does not match kvlease.lease_id")
-    if not isinstance(host, str) or not host or not host_allowed(host):
+    host = handle.host
+    if host is None or not host_allowed(host):
         raise _reject(f"remote_host {host!r} is not an allowed host")
-    if not _int(port) or not 0 < port < 65536:
-        raise _reject(f"remote_port must be an integer in [1, 65535], got {port!r}")
-    for name in _PARALLEL_FIELDS:
-        v = params.get(name, 1)
-        if not _int(v) or not 1 <= v <= max_parallel:
+    if handle.port is None:
+        raise _reject("remote_port must be an integer in [1, 65535]")
+    for name in PARALLEL_FIELDS:
+        v = getattr(handle, name)
+        if v is not None and v > max_parallel:
             raise _reject(f"{name} must be an integer in [1, {max_parallel}], got {v!r}")
     if ext.control is not None:
-        try:
-            url = urlsplit(ext.control)
-            ctl_host, _ = url.hostname, url.port
-        except ValueError:
-            raise _reject("kvlease.control is not a URL") from None
-        if url.scheme not in ("http", "https") or not ctl_host or not host_allowed(ctl_host):
+        ctl_host = urlsplit(ext.control).hostname  # a well-formed http(s) URL: checked by the parse
+        if not ctl_host or not host_allowed(ctl_host):
             raise _reject(f"kvlease.control {ext.control!r} is not an allowed URL")
-    num_tokens = params.get(KV.REMOTE_NUM_TOKENS)
-    if not _int(num_tokens) or not 0 <= num_tokens <= 1 << 31:
+    if handle.num_tokens is None:
         raise _reject("remote_num_tokens must be a non-negative integer")
-    raw_ids = params.get(KV.REMOTE_BLOCK_IDS)
-    if not isinstance(raw_ids, (list, tuple)) or len(raw_ids) != num_groups:
+    if handle.block_ids is None or not handle.grouped or len(handle.block_ids) != num_groups:
         raise _reject(f"remote_block_ids must be a list of {num_groups} block lists")
-    groups: list[tuple[int, ...]] = []
-    for g in raw_ids:
-        if not isinstance(g, (list, tuple)) or len(g) > LeaseHandleExt.MAX_BLOCKS:
-            raise _reject("remote_block_ids must contain lists of block ids")
-        if not all(_int(b) and 0 <= b < _MAX_BLOCK_ID for b in g):
-            raise _reject("remote_block_ids must contain non-negative integers")
-        groups.append(tuple(g))
-    expiry = params.get(KV.REMOTE_BLOCKS_EXPIRY_TIME)
-    if expiry is not None and not (isinstance(expiry, (int, float)) and not isinstance(expiry, bool)):
-        raise _reject("remote_blocks_expiry_time must be a number or null")
-    return RemoteHandle(ext, engine_id, request_id, host, port, tuple(groups), num_tokens)
+    return RemoteHandle(
+        ext,
+        handle.engine_id,
+        handle.request_id,
+        host,
+        handle.port,
+        handle.block_ids,
+        handle.num_tokens,
+        handle,
+    )
 
 
 def handle_ext(
@@ -233,14 +209,30 @@ def verified_tokens(
     return n * bs
 
 
-def trim_params(params: dict[str, Any], handle: RemoteHandle, tokens: int) -> None:
-    """Cut the handle in ``params`` (in place) to its first ``tokens`` verified tokens."""
-    n_blocks = -(-tokens // handle.ext.block_size)
-    params[KV.REMOTE_BLOCK_IDS] = [list(g[:n_blocks]) for g in handle.block_ids]
-    params[KV.REMOTE_NUM_TOKENS] = tokens
+def trim_params(handle: RemoteHandle, tokens: int, *, pinned: bool = False) -> TransferParams:
+    """A new handle: ``handle`` cut to its first ``tokens`` verified tokens (vLLM's dict untouched).
+
+    ``pinned``: D pinned the lease for this read (a claim), so its deadline is dropped.
+    """
+    params = handle.params
+    if params is None:  # built by hand (tests): the fields P checked are all there is
+        params = TransferParams(
+            do_remote_decode=True,
+            do_remote_prefill=False,
+            engine_id=handle.engine_id,
+            block_ids=handle.block_ids,
+            request_id=handle.request_id,
+            host=handle.host,
+            port=handle.port,
+            num_tokens=handle.num_tokens,
+            kvlease=handle.ext,
+        )
+    return params.trimmed(tokens, handle.ext.block_size, pinned=pinned)
 
 
-def strip_remote(params: dict[str, Any]) -> None:
-    """Make ``params`` name no remote blocks (P then never contacts the decode node)."""
-    params[KV.REMOTE_BLOCK_IDS] = None
-    params[KV.REMOTE_NUM_TOKENS] = 0
+def strip_remote(params: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of ``params`` that names no remote blocks (P then never contacts the decode node).
+
+    Works on the wire dict, not the typed handle: a declined handle may be one that did not parse.
+    """
+    return {**params, KV.REMOTE_BLOCK_IDS: None, KV.REMOTE_NUM_TOKENS: 0}

@@ -16,19 +16,11 @@ from __future__ import annotations
 import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from kvlease import __version__ as KVLEASE_VERSION
-from kvlease.protocol import (
-    KV,
-    LEASE_HANDLE_MAC,
-    PREFILL_REUSE_STATUS,
-    PREFILL_REUSED_TOKENS,
-    ControlInfo,
-    ReuseStatus,
-    Role,
-)
+from kvlease.protocol import KV, ControlInfo, PrefillReport, ReuseStatus, Role
 from kvlease_vllm import _control
 from kvlease_vllm._compat import (
     VLLM_VERSION,
@@ -80,12 +72,13 @@ class _Pull:
     started: float | None = None  # when (gain, True) was first returned
     tokens: int = 0
     outcome: Reason | None = None
+    pinned: bool = False  # D pinned the lease for this read (the claim succeeded)
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> PrefillReport:
         """P's reuse report for the router (``kvlease`` object of P's response params)."""
         status = _REUSE_STATUS.get(self.outcome or Reason.PULL, ReuseStatus.MISS)
         hit = self.outcome is Reason.PULL
-        return {PREFILL_REUSED_TOKENS: self.tokens if hit else 0, PREFILL_REUSE_STATUS: status.value}
+        return PrefillReport(self.tokens if hit else 0, status.value)
 
 
 _REUSE_STATUS = {
@@ -187,12 +180,16 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
                     request, params, Reason.CLAIM_FAILED if left is _FAILED else Reason.LEASE_GONE, str(left)
                 )
             # pinned on D for claim_hold_s: upstream's stale-deadline check must not veto the read
-            params[KV.REMOTE_BLOCKS_EXPIRY_TIME] = None
+            pull.pinned = True
         gain = pull.verified - num_computed_tokens
         if gain <= 0:
             return self._decline(request, params, Reason.LOCAL_HIT, "P's prefix cache covers it")
         if pull.started is None:
-            trim_params(params, pull.handle, pull.verified)
+            # vLLM's connector API: upstream reads (and marks) the pull in the request's own
+            # kv_transfer_params dict. This is the one place the typed handle becomes that dict
+            # again: a fresh one, serialized from the trimmed handle; vLLM's dict is not edited.
+            trimmed = trim_params(pull.handle, pull.verified, pinned=pull.pinned)
+            request.kv_transfer_params = trimmed.to_json()
             pull.started, pull.tokens, pull.outcome = time.perf_counter(), gain, Reason.PULL
             self.metrics.pull_decisions.labels(Reason.PULL.value).inc()
             self.metrics.pulled_tokens.inc(gain)
@@ -240,7 +237,9 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
     def _decline(
         self, request: Request, params: dict[str, Any], reason: Reason, detail: str, *, warn: bool = False
     ) -> tuple[int, bool]:
-        strip_remote(params)  # recompute; never contact the decode node for this handle
+        # recompute; never contact the decode node for this handle. vLLM reads the request's
+        # kv_transfer_params dict: a fresh copy that names no blocks replaces it (not edited).
+        request.kv_transfer_params = strip_remote(params)
         self._pulls[request.request_id] = _Pull(None, outcome=reason)
         self.metrics.pull_decisions.labels(reason.value).inc()
         (logger.warning if warn else logger.info)(
@@ -262,8 +261,10 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
         if t0 is not None and (pull is None or pull.started is None):
             self.cost.observe_prefill(t0[1], time.perf_counter() - t0[0])
         delay, out = super().request_finished(request, block_ids)
+        # vLLM's request_finished returns the response's kv_transfer_params as a dict: the kvlease
+        # objects go into fresh copies of upstream's dict, serialized from their typed shapes.
         if pull is not None and out is not None:
-            out[KV.KVLEASE] = pull.report()
+            out = {**out, KV.KVLEASE: pull.report().to_json()}
         if not (delay and out and out.get(KV.DO_REMOTE_DECODE) and self.is_bidirectional_kv_xfer_enabled):
             return delay, out
         deadline = out.get(KV.REMOTE_BLOCKS_EXPIRY_TIME)
@@ -285,10 +286,9 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
             engine_id=self.engine_id,
             control=self.control_url,
         )
-        out[KV.KVLEASE] = ext.to_json()
-        if self.secret:
-            out[KV.KVLEASE][LEASE_HANDLE_MAC] = handle_mac(self.secret, out)
-        return delay, out
+        if self.secret:  # the MAC covers the routing fields of upstream's dict and the object
+            ext = replace(ext, mac=handle_mac(self.secret, {**out, KV.KVLEASE: ext.to_json()}))
+        return delay, {**out, KV.KVLEASE: ext.to_json()}
 
     def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
         self._waiting_blocks.pop(request.request_id, None)

@@ -9,12 +9,13 @@ the prompt).
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from typing import Any
 
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from kvlease.protocol import KV, LEASE_HANDLE_MAC, block_hashes, common_prefix_blocks
+from kvlease.protocol import KV, LEASE_HANDLE_MAC, TransferParams, block_hashes, common_prefix_blocks
 from kvlease_vllm._verify import (
     HandleRejected,
     RemoteHandle,
@@ -211,3 +212,68 @@ def test_any_edit_of_a_signed_field_is_rejected(d_tokens: list[int], field: str,
     except HandleRejected:
         return
     raise AssertionError(f"edited {field}={value!r} was accepted")
+
+
+# ---- the typed handle: parse(serialize(x)) == x ---------------------------------------------------
+
+_ids = st.text(alphabet="abcdefgh-0123456789", min_size=1, max_size=12)
+
+
+@st.composite
+def transfer_params(draw: st.DrawFn) -> TransferParams:
+    d_tokens = draw(st.lists(st.integers(0, 5), max_size=64))
+    bs = draw(block_sizes)
+    lease = draw(_ids)
+    engine = draw(_ids)
+    ext = draw(
+        st.none()
+        | st.just(
+            handle_ext(
+                token_ids=d_tokens,
+                num_tokens=len(d_tokens),
+                block_size=bs,
+                salt=draw(st.none() | _ids),
+                lease_id=lease,
+                engine_id=engine,
+                control=draw(st.none() | st.just("http://127.0.0.1:9100")),
+            )
+        )
+    )
+    grouped = draw(st.booleans())
+    groups = draw(st.lists(st.lists(st.integers(0, 1 << 30), max_size=8), min_size=1, max_size=3))
+    block_ids = draw(st.none() | st.just(tuple(map(tuple, groups if grouped else groups[:1]))))
+    if block_ids is not None and not grouped and not block_ids[0]:
+        grouped = True  # an empty flat list reads as zero groups
+        block_ids = ()
+    optional_int = st.none() | st.integers(1, 64)
+    handle = TransferParams(
+        do_remote_decode=draw(st.none() | st.booleans()),
+        do_remote_prefill=draw(st.none() | st.booleans()),
+        engine_id=draw(st.none() | st.just(engine)),
+        block_ids=block_ids,
+        grouped=grouped,
+        request_id=draw(st.none() | st.just(lease)),
+        host=draw(st.none() | st.just("127.0.0.1")),
+        port=draw(st.none() | st.integers(1, 65535)),
+        num_tokens=draw(st.none() | st.integers(0, 1 << 20)),
+        expiry=draw(st.none() | st.floats(0, 1e9)),
+        tp_size=draw(optional_int),
+        dcp_size=draw(optional_int),
+        pp_size=draw(optional_int),
+        kvlease=ext,
+        nulls=frozenset(draw(st.lists(st.sampled_from([KV.REMOTE_HOST, KV.REMOTE_BLOCKS_EXPIRY_TIME])))),
+        extra=tuple(
+            draw(st.dictionaries(st.sampled_from(["_remote_blocks_processed", "x"]), json_values)).items()
+        ),
+    )
+    if handle.block_ids is None:
+        handle = replace(handle, grouped=True)
+    return handle
+
+
+@SETTINGS
+@given(handle=transfer_params())
+def test_the_handle_round_trips(handle: TransferParams) -> None:
+    wire = handle.to_json()
+    assert TransferParams.from_json(wire) == handle
+    assert TransferParams.from_json(copy.deepcopy(wire)).to_json() == wire

@@ -7,7 +7,16 @@ from typing import Any
 
 import pytest
 
-from kvlease.protocol import KV, LEASE_HANDLE_MAC, block_hashes, tail_hash
+from kvlease.protocol import (
+    KV,
+    LEASE_HANDLE_MAC,
+    ProtocolError,
+    TransferParams,
+    block_hashes,
+    prefill_request_params,
+    tail_hash,
+)
+from kvlease_router._reuse import capture_handle
 from kvlease_vllm._config import KVLeaseConfig
 from kvlease_vllm._verify import (
     HandleRejected,
@@ -142,16 +151,33 @@ def test_handle_naming_fewer_tokens_than_the_tail_covers_pulls_whole_blocks() ->
 
 
 def test_trim_and_strip() -> None:
-    params = d_params()
-    handle = parse(params)
-    trim_params(params, handle, 4 * BS)
+    original = d_params()
+    before = copy.deepcopy(original)
+    handle = parse(original)
+    params = trim_params(handle, 4 * BS).to_json()
     assert params[KV.REMOTE_BLOCK_IDS] == [[100, 101, 102, 103]]
     assert params[KV.REMOTE_NUM_TOKENS] == 4 * BS
-    trim_params(params, handle, FULL + 5)  # the partial last block is named too
+    params = trim_params(handle, FULL + 5).to_json()  # the partial last block is named too
     assert params[KV.REMOTE_BLOCK_IDS] == [list(range(100, 111))]
     assert params[KV.REMOTE_NUM_TOKENS] == FULL + 5
-    strip_remote(params)
+    params = strip_remote(params)
     assert params[KV.REMOTE_BLOCK_IDS] is None and params[KV.REMOTE_NUM_TOKENS] == 0
+    assert original == before  # new handles; vLLM's dict is never edited
+
+
+def test_trim_keeps_every_other_field_and_pins() -> None:
+    original = d_params(_remote_blocks_processed=False, remote_future_field={"x": [1]})
+    handle = parse(original)
+    trimmed = trim_params(handle, 4 * BS).to_json()
+    assert trimmed == {
+        **original,
+        KV.REMOTE_BLOCK_IDS: [[100, 101, 102, 103]],
+        KV.REMOTE_NUM_TOKENS: 4 * BS,
+    }
+    pinned = trim_params(handle, 4 * BS, pinned=True).to_json()
+    assert KV.REMOTE_BLOCKS_EXPIRY_TIME in pinned and pinned[KV.REMOTE_BLOCKS_EXPIRY_TIME] is None
+    # the trimmed handle still carries D's MAC'd kvlease object unchanged
+    assert pinned[KV.KVLEASE] == original[KV.KVLEASE]
 
 
 def test_hashes_are_protocol_block_hashes_of_d_sequence() -> None:
@@ -280,3 +306,69 @@ def test_mac_over_edited_hashes_fails() -> None:
     p[KV.KVLEASE]["hashes"] = list(reversed(p[KV.KVLEASE]["hashes"]))
     with pytest.raises(HandleRejected, match="MAC"):
         parse_handle(p, num_groups=1, host_allowed=KVLeaseConfig().host_allowed, max_parallel=64, secret="k")
+
+
+# ---- one parser of the handle: TransferParams, for P and for the router ---------------------------
+
+#: Rejected by P because of the handle's own shape (not P's policy: hosts, groups, limits, presence).
+SHAPE = {
+    "kvlease not an object",
+    "kvlease wrong version",
+    "hashes not hex strings",
+    "more hashes than tokens",
+    "engine id wrong type",
+    "foreign engine id",
+    "request id not the lease",
+    "host wrong type",
+    "port out of range",
+    "port as string",
+    "huge tp_size",
+    "tp_size zero",
+    "tp_size float",
+    "huge pp_size",
+    "negative block id",
+    "block id as string",
+    "block ids not a list",
+    "num tokens negative",
+    "expiry as string",
+    "control URL bad scheme",
+    "control URL bad port",
+}
+
+
+assert {h[0] for h in HOSTILE} >= SHAPE
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "reason"),
+    [h for h in HOSTILE if h[0] in SHAPE],
+    ids=[h[0] for h in HOSTILE if h[0] in SHAPE],
+)
+def test_the_one_parser_rejects_what_p_rejects(name: str, params: dict[str, Any], reason: Reason) -> None:
+    """The router captures with P's strictness: a handle P refuses for its shape is never stored."""
+    with pytest.raises(ProtocolError):
+        TransferParams.from_json(params)
+    for kvlease in (True, False):
+        assert capture_handle(params, kvlease_mode=kvlease, node_control=None) is None, name
+
+
+def test_handle_round_trips() -> None:
+    for params in (
+        d_params(),
+        _signed(),
+        d_params(remote_block_ids=[1, 2, 3], remote_blocks_expiry_time=None, extra_key={"a": [1]}),
+        prefill_request_params(),
+    ):
+        handle = TransferParams.from_json(params)
+        assert handle.to_json() == params  # serialized from the typed handle: what was read
+        assert TransferParams.from_json(handle.to_json()) == handle
+    handle = TransferParams.from_json(d_params())
+    assert handle.kvlease is not None and handle.kvlease.lease_id == "d-req-1"
+    assert handle.block_ids == (tuple(range(100, 111)),) and handle.grouped
+
+
+def test_parse_handle_keeps_the_typed_handle() -> None:
+    params = _signed()
+    h = parse(params)
+    assert h.params == TransferParams.from_json(params)
+    assert h.ext == h.params.kvlease and h.ext.mac == params[KV.KVLEASE][LEASE_HANDLE_MAC]

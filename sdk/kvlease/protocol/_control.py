@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -141,3 +142,98 @@ class ControlReleaseRequest:
     @classmethod
     def from_json(cls, data: object) -> ControlReleaseRequest:
         return cls(_id_list(data, "request_ids"))
+
+
+@dataclass(frozen=True)
+class ControlReleaseResponse:
+    """``POST /release`` answer: ``{"released": 2}`` (how many of the ids D held and let go)."""
+
+    released: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"released": self.released}
+
+    @classmethod
+    def from_json(cls, data: object) -> ControlReleaseResponse:
+        if not isinstance(data, Mapping):
+            raise ProtocolError("release answer must be an object with 'released'")
+        return cls(_int_field(data, "released", 0, 1 << 31))
+
+
+# --------------------------------------------------------------------------------------------------
+# The one client of the control API, sans IO: a request builder and the answer readers. The IO
+# shells (sync on urllib, async on aiohttp) are in ``_control_client`` and only send the request.
+# --------------------------------------------------------------------------------------------------
+
+#: Most bytes of a control answer a client reads.
+MAX_CONTROL_ANSWER_BYTES: Final = 1 << 20
+
+
+class ControlCallError(OSError):
+    """A control endpoint answered with an HTTP error status (``status``)."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(f"control endpoint answered {status}")
+        self.status = status
+
+
+@dataclass(frozen=True)
+class ControlCall:
+    """One HTTP request to a connector's control endpoint, as both IO shells send it."""
+
+    method: str
+    url: str
+    headers: tuple[tuple[str, str], ...]
+    body: bytes
+    timeout: float  # seconds for the whole call
+
+
+def _call(
+    control: str, path: str, body: Mapping[str, Any], secret: str | None, timeout: float
+) -> ControlCall:
+    headers = [("Content-Type", "application/json")]
+    if secret:
+        headers.append((CONTROL_AUTH_HEADER, f"Bearer {secret}"))
+    data = json.dumps(body, separators=(",", ":")).encode()
+    return ControlCall("POST", control.rstrip("/") + path, tuple(headers), data, timeout)
+
+
+def renew_call(
+    control: str,
+    lease_ids: Sequence[str],
+    ttl: float,
+    *,
+    secret: str | None,
+    timeout: float,
+    claim: bool = False,
+) -> ControlCall:
+    """``POST /renew`` of ``lease_ids`` for ``ttl`` seconds (``claim``: also pin them, on P's read)."""
+    body = ControlRenewRequest(tuple(lease_ids), ttl, claim=claim).to_json()
+    return _call(control, CONTROL_RENEW_PATH, body, secret, timeout)
+
+
+def release_call(
+    control: str, lease_ids: Sequence[str], *, secret: str | None, timeout: float
+) -> ControlCall:
+    """``POST /release`` of ``lease_ids``."""
+    body = ControlReleaseRequest(tuple(lease_ids)).to_json()
+    return _call(control, CONTROL_RELEASE_PATH, body, secret, timeout)
+
+
+def _answer(status: int, raw: bytes) -> object:
+    if status >= 400:
+        raise ControlCallError(status)
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise ProtocolError("control answer is not JSON") from None
+
+
+def read_renew_answer(status: int, raw: bytes) -> ControlRenewResponse:
+    """The typed answer of a ``renew_call``; raises :class:`ControlCallError` / :class:`ProtocolError`."""
+    return ControlRenewResponse.from_json(_answer(status, raw))
+
+
+def read_release_answer(status: int, raw: bytes) -> ControlReleaseResponse:
+    """The typed answer of a ``release_call``; raises :class:`ControlCallError` / :class:`ProtocolError`."""
+    return ControlReleaseResponse.from_json(_answer(status, raw))

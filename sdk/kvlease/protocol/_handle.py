@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import hashlib
+import hmac
+import json
+import math
 from array import array
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Final
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar, Final, TypeGuard
+from urllib.parse import urlsplit
 
 from kvlease.protocol._common import PROTOCOL_VERSION, ProtocolError, _int_field
 
@@ -31,6 +35,8 @@ class KV:
     REMOTE_NUM_TOKENS: Final = "remote_num_tokens"
     REMOTE_BLOCKS_EXPIRY_TIME: Final = "remote_blocks_expiry_time"
     TP_SIZE: Final = "tp_size"
+    DCP_SIZE: Final = "dcp_size"
+    PP_SIZE: Final = "pp_size"
     KVLEASE: Final = "kvlease"  # the sub-object the kvlease connector adds and reads
 
 
@@ -39,18 +45,6 @@ class KV:
 #: none); ``reuse``: a :class:`ReuseStatus` value (``hit``, ``miss``, ``mismatch``, ``expired``).
 PREFILL_REUSED_TOKENS: Final = "reused_tokens"
 PREFILL_REUSE_STATUS: Final = "reuse"
-
-
-def prefill_request_params() -> dict[str, Any]:
-    """The ``kv_transfer_params`` a router sends to P on a turn with no handle to reuse."""
-    return {
-        KV.DO_REMOTE_DECODE: True,
-        KV.DO_REMOTE_PREFILL: False,
-        KV.REMOTE_ENGINE_ID: None,
-        KV.REMOTE_BLOCK_IDS: None,
-        KV.REMOTE_HOST: None,
-        KV.REMOTE_PORT: None,
-    }
 
 
 #: Domain separation for block hashes; bump with PROTOCOL_VERSION if the scheme changes.
@@ -120,10 +114,11 @@ class LeaseHandleExt:
 
     JSON: ``{"v": 1, "block_size": 16, "num_tokens": 1234, "hashes": ["<32 hex>", ...],
     "tail": "<32 hex>" | null, "lease_id": "<D's request id>", "engine_id": "...",
-    "control": "http://host:port" | null}``.
+    "control": "http://host:port" | null, "mac": "<64 hex>"}`` (``mac`` only when D has a secret).
     ``hashes`` cover the full blocks of D's retained sequence (prompt + generated tokens); ``tail``
     (optional, :func:`tail_hash`) its partial last block, when ``num_tokens`` is not a multiple of
-    ``block_size``. A reader that does not know ``tail`` simply pulls whole blocks only.
+    ``block_size``. A reader that does not know ``tail`` simply pulls whole blocks only. ``mac``:
+    :func:`handle_mac` over the whole handle (see :data:`LEASE_HANDLE_MAC`).
     """
 
     block_size: int
@@ -134,11 +129,12 @@ class LeaseHandleExt:
     control: str | None = None
     version: int = PROTOCOL_VERSION
     tail: str | None = None
+    mac: str | None = None
 
-    MAX_BLOCKS: Final = 1 << 20
+    MAX_BLOCKS: ClassVar[int] = 1 << 20
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "v": self.version,
             "block_size": self.block_size,
             "num_tokens": self.num_tokens,
@@ -148,6 +144,9 @@ class LeaseHandleExt:
             "engine_id": self.engine_id,
             "control": self.control,
         }
+        if self.mac is not None:
+            out[LEASE_HANDLE_MAC] = self.mac
+        return out
 
     @classmethod
     def from_json(cls, data: object) -> LeaseHandleExt:
@@ -176,6 +175,11 @@ class LeaseHandleExt:
             raise ProtocolError("kvlease.lease_id must be a non-empty string")
         engine_id = data.get("engine_id")
         control = data.get("control")
+        if isinstance(control, str):
+            _check_control_url(control)
+        mac = data.get(LEASE_HANDLE_MAC)
+        if mac is not None and not isinstance(mac, str):
+            raise ProtocolError("kvlease.mac must be a hex string")
         return cls(
             block_size=bs,
             num_tokens=nt,
@@ -185,4 +189,278 @@ class LeaseHandleExt:
             control=control if isinstance(control, str) else None,
             version=PROTOCOL_VERSION,
             tail=tail,
+            mac=mac,
         )
+
+
+def _check_control_url(control: str) -> None:
+    try:
+        url = urlsplit(control)
+        host, _ = url.hostname, url.port  # .port raises on a bad port
+    except ValueError:
+        raise ProtocolError("kvlease.control is not a URL") from None
+    if url.scheme not in ("http", "https") or not host:
+        raise ProtocolError(f"kvlease.control {control!r} is not an http(s) URL")
+
+
+@dataclass(frozen=True)
+class PrefillReport:
+    """The ``kvlease`` sub-object of *P's* response params: what P's verified pull did this turn.
+
+    JSON: ``{"reused_tokens": 64, "reuse": "hit"}`` (:data:`PREFILL_REUSED_TOKENS`,
+    :data:`PREFILL_REUSE_STATUS`). ``reuse`` is kept as sent (a ``ReuseStatus`` value, or anything
+    else, which a reader treats as a miss); a report without a non-negative integer
+    ``reused_tokens`` is not one.
+    """
+
+    reused_tokens: int
+    reuse: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {PREFILL_REUSED_TOKENS: self.reused_tokens}
+        if self.reuse is not None:
+            out[PREFILL_REUSE_STATUS] = self.reuse
+        return out
+
+    @classmethod
+    def from_json(cls, data: object) -> PrefillReport:
+        if not isinstance(data, Mapping):
+            raise ProtocolError("P's kvlease report must be an object")
+        tokens = data.get(PREFILL_REUSED_TOKENS)
+        if not _is_int(tokens) or tokens < 0:
+            raise ProtocolError(f"{PREFILL_REUSED_TOKENS} must be a non-negative integer")
+        reuse = data.get(PREFILL_REUSE_STATUS)
+        return cls(tokens, reuse if isinstance(reuse, str) else None)
+
+
+def _is_int(v: object) -> TypeGuard[int]:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# --------------------------------------------------------------------------------------------------
+# The handle: vLLM's kv_transfer_params, typed
+# --------------------------------------------------------------------------------------------------
+
+#: Parallelism fields of a handle (checked, and covered by the MAC).
+PARALLEL_FIELDS: Final = (KV.TP_SIZE, KV.DCP_SIZE, KV.PP_SIZE)
+_MAX_BLOCK_ID: Final = 1 << 31
+_MAX_PARALLEL: Final = 1 << 16
+_MAX_ID_LEN: Final = 512
+
+
+@dataclass(frozen=True)
+class TransferParams:
+    """vLLM's ``kv_transfer_params`` (the handle), parsed once at each edge and serialized from here.
+
+    Every field kvlease reads is typed and checked by :meth:`from_json`, with one strictness for all
+    readers (the router capturing D's handle, P verifying it): a field that is present must have its
+    type and range, ``remote_request_id`` / ``remote_engine_id`` must agree with the ``kvlease``
+    object, and a ``kvlease`` object must be a valid :class:`LeaseHandleExt`. Which fields must be
+    *present* is the reader's business (P needs a full pull target; the router only blocks and an
+    engine). ``None`` is "absent"; ``nulls`` names the known keys that were sent as an explicit
+    ``null`` (``to_json`` writes them back), and ``extra`` keeps every other key verbatim (vLLM's
+    own markers, fields of newer vLLMs), so ``to_json`` gives back what ``from_json`` read.
+
+    ``block_ids`` are one tuple per KV cache group (vLLM's list of lists); ``grouped`` is False
+    when the wire had one flat list of ids (older vLLM, the fake P/D), which ``to_json`` keeps.
+    """
+
+    do_remote_decode: bool | None = None
+    do_remote_prefill: bool | None = None
+    engine_id: str | None = None
+    block_ids: tuple[tuple[int, ...], ...] | None = None
+    grouped: bool = True
+    request_id: str | None = None
+    host: str | None = None
+    port: int | None = None
+    num_tokens: int | None = None
+    expiry: float | None = None  # remote_blocks_expiry_time, on D's monotonic clock
+    tp_size: int | None = None
+    dcp_size: int | None = None
+    pp_size: int | None = None
+    kvlease: LeaseHandleExt | None = None
+    nulls: frozenset[str] = frozenset()
+    extra: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        # only known keys whose value is absent can be an explicit null
+        nulls = frozenset(k for k in self.nulls if k in _ATTR and getattr(self, _ATTR[k]) is None)
+        if nulls != self.nulls:
+            object.__setattr__(self, "nulls", nulls)
+
+    def to_json(self) -> dict[str, Any]:
+        """The wire dict (a fresh one, every call)."""
+        out: dict[str, Any] = {}
+        for key, attr in _ATTR.items():
+            value = getattr(self, attr)
+            if value is None:
+                if key in self.nulls:
+                    out[key] = None
+                continue
+            if key == KV.REMOTE_BLOCK_IDS:
+                value = [list(g) for g in value] if self.grouped or not value else list(value[0])
+            elif key == KV.KVLEASE:
+                value = value.to_json()
+            out[key] = value
+        out.update(self.extra)
+        return out
+
+    @classmethod
+    def from_json(cls, data: object) -> TransferParams:
+        if not isinstance(data, Mapping):
+            raise ProtocolError(f"{KV_TRANSFER_PARAMS} must be an object")
+        fields: dict[str, Any] = {}
+        nulls: set[str] = set()
+        extra: list[tuple[str, Any]] = []
+        for key, value in data.items():
+            attr = _ATTR.get(key)
+            if attr is None:
+                extra.append((key, value))
+            elif value is None:
+                nulls.add(key)
+            else:
+                fields[attr] = value
+        for name in (KV.DO_REMOTE_DECODE, KV.DO_REMOTE_PREFILL):
+            if not isinstance(fields.get(name, False), bool):
+                raise ProtocolError(f"{name} must be true or false")
+        for key in (KV.REMOTE_ENGINE_ID, KV.REMOTE_REQUEST_ID):
+            v = fields.get(_ATTR[key])
+            if v is not None and (not isinstance(v, str) or not v or len(v) > _MAX_ID_LEN):
+                raise ProtocolError(f"{key} must be a non-empty string")
+        host = fields.get("host")
+        if host is not None and (not isinstance(host, str) or not host):
+            raise ProtocolError(f"{KV.REMOTE_HOST} must be a non-empty string, got {host!r}")
+        port = fields.get("port")
+        if port is not None and (not _is_int(port) or not 0 < port < 65536):
+            raise ProtocolError(f"{KV.REMOTE_PORT} must be an integer in [1, 65535], got {port!r}")
+        for key in PARALLEL_FIELDS:
+            v = fields.get(key)
+            if key in nulls or (v is not None and (not _is_int(v) or not 1 <= v <= _MAX_PARALLEL)):
+                raise ProtocolError(f"{key} must be an integer in [1, {_MAX_PARALLEL}], got {v!r}")
+        nt = fields.get("num_tokens")
+        if nt is not None and (not _is_int(nt) or not 0 <= nt <= 1 << 31):
+            raise ProtocolError(f"{KV.REMOTE_NUM_TOKENS} must be a non-negative integer")
+        expiry = fields.get("expiry")
+        if expiry is not None and not (
+            isinstance(expiry, (int, float)) and not isinstance(expiry, bool) and math.isfinite(expiry)
+        ):
+            raise ProtocolError(f"{KV.REMOTE_BLOCKS_EXPIRY_TIME} must be a number or null")
+        if "block_ids" in fields:
+            fields["block_ids"], fields["grouped"] = _block_ids(fields["block_ids"])
+        if "kvlease" in fields:
+            ext = fields["kvlease"] = LeaseHandleExt.from_json(fields["kvlease"])
+            if ext.engine_id is not None and fields.get("engine_id", ext.engine_id) != ext.engine_id:
+                raise ProtocolError(f"{KV.REMOTE_ENGINE_ID} does not match kvlease.engine_id")
+            if fields.get("request_id", ext.lease_id) != ext.lease_id:
+                raise ProtocolError(f"{KV.REMOTE_REQUEST_ID} does not match kvlease.lease_id")
+        return cls(**fields, nulls=frozenset(nulls), extra=tuple(extra))
+
+    # ---- new handles from this one (the wire dict is never edited in place) ------------------
+    def for_pull(self) -> TransferParams:
+        """This handle as a router offers it to P: flagged for a pull from D."""
+        return replace(self, do_remote_decode=True, do_remote_prefill=False)
+
+    def trimmed(self, tokens: int, block_size: int, *, pinned: bool = False) -> TransferParams:
+        """The handle cut to its first ``tokens`` (verified) tokens: the blocks that hold them.
+
+        ``pinned``: D pinned the lease for this read (a claim), so its stale deadline goes
+        (sent as ``null``: vLLM's own deadline check must not veto the read).
+        """
+        n_blocks = -(-tokens // block_size)
+        groups = tuple(g[:n_blocks] for g in self.block_ids or ())
+        out = replace(self, block_ids=groups, num_tokens=tokens)
+        if pinned:
+            out = replace(out, expiry=None, nulls=out.nulls | {KV.REMOTE_BLOCKS_EXPIRY_TIME})
+        return out
+
+
+#: Wire key -> attribute of :class:`TransferParams`, in the order ``to_json`` writes them.
+_ATTR: Final[dict[str, str]] = {
+    KV.DO_REMOTE_DECODE: "do_remote_decode",
+    KV.DO_REMOTE_PREFILL: "do_remote_prefill",
+    KV.REMOTE_ENGINE_ID: "engine_id",
+    KV.REMOTE_BLOCK_IDS: "block_ids",
+    KV.REMOTE_REQUEST_ID: "request_id",
+    KV.REMOTE_HOST: "host",
+    KV.REMOTE_PORT: "port",
+    KV.REMOTE_NUM_TOKENS: "num_tokens",
+    KV.REMOTE_BLOCKS_EXPIRY_TIME: "expiry",
+    KV.TP_SIZE: "tp_size",
+    KV.DCP_SIZE: "dcp_size",
+    KV.PP_SIZE: "pp_size",
+    KV.KVLEASE: "kvlease",
+}
+
+
+def _block_ids(raw: object) -> tuple[tuple[tuple[int, ...], ...], bool]:
+    """(groups, grouped) of ``remote_block_ids``: a list of per-group lists, or one flat list."""
+    if not isinstance(raw, (list, tuple)) or len(raw) > LeaseHandleExt.MAX_BLOCKS:
+        raise ProtocolError(f"{KV.REMOTE_BLOCK_IDS} must be a list of block lists")
+    if raw and all(_is_int(b) for b in raw):
+        groups, grouped = [raw], False
+    else:
+        groups, grouped = list(raw), True
+    out: list[tuple[int, ...]] = []
+    for g in groups:
+        if not isinstance(g, (list, tuple)) or len(g) > LeaseHandleExt.MAX_BLOCKS:
+            raise ProtocolError(f"{KV.REMOTE_BLOCK_IDS} must contain lists of block ids")
+        if not all(_is_int(b) and 0 <= b < _MAX_BLOCK_ID for b in g):
+            raise ProtocolError(f"{KV.REMOTE_BLOCK_IDS} must contain non-negative integers")
+        out.append(tuple(g))
+    return tuple(out), grouped
+
+
+#: Fields the MAC covers: the routing fields, and (separately) the kvlease object minus the MAC.
+_MAC_FIELDS: Final = (
+    KV.REMOTE_ENGINE_ID,
+    KV.REMOTE_REQUEST_ID,
+    KV.REMOTE_HOST,
+    KV.REMOTE_PORT,
+    KV.REMOTE_BLOCK_IDS,
+    KV.REMOTE_NUM_TOKENS,
+    *PARALLEL_FIELDS,
+)
+
+
+def handle_mac(secret: str, params: Mapping[str, Any] | TransferParams) -> str:
+    """HMAC-SHA256 over a handle's routing fields and its ``kvlease`` object (minus the MAC).
+
+    Over the wire dict as sent (a reader checks the dict it received, so any edit of a covered
+    field fails, even one that parses to the same value); the deadline is not covered.
+    """
+    wire = params.to_json() if isinstance(params, TransferParams) else params
+    ext = wire.get(KV.KVLEASE)
+    body = {k: wire.get(k) for k in _MAC_FIELDS}
+    body[KV.KVLEASE] = (
+        {k: v for k, v in ext.items() if k != LEASE_HANDLE_MAC} if isinstance(ext, Mapping) else ext
+    )
+    msg = json.dumps(body, sort_keys=True, separators=(",", ":"), default=list).encode()
+    return hmac.new(secret.encode(), msg, "sha256").hexdigest()
+
+
+def mac_ok(secret: str, params: Mapping[str, Any]) -> bool:
+    """The wire handle ``params`` carries D's MAC, and it is right (constant-time compare)."""
+    ext = params.get(KV.KVLEASE)
+    mac = ext.get(LEASE_HANDLE_MAC) if isinstance(ext, Mapping) else None
+    return isinstance(mac, str) and hmac.compare_digest(mac, handle_mac(secret, params))
+
+
+_PREFILL_REQUEST: Final = TransferParams(
+    do_remote_decode=True,
+    do_remote_prefill=False,
+    nulls=frozenset({KV.REMOTE_ENGINE_ID, KV.REMOTE_BLOCK_IDS, KV.REMOTE_HOST, KV.REMOTE_PORT}),
+)
+
+
+def prefill_request_params() -> dict[str, Any]:
+    """The ``kv_transfer_params`` a router sends to P on a turn with no handle to reuse."""
+    return _PREFILL_REQUEST.to_json()
+
+
+def pull_request_params(captured: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``kv_transfer_params`` a router sends to P to reuse a handle it captured.
+
+    ``captured`` is what the router stored: :meth:`TransferParams.to_json` of D's handle, parsed at
+    capture. It is not parsed again on the hot path; :meth:`TransferParams.for_pull` is this, typed.
+    """
+    return {**captured, KV.DO_REMOTE_DECODE: True, KV.DO_REMOTE_PREFILL: False}
