@@ -1,4 +1,4 @@
-"""Each example runs end to end (as a user would start it) against a local fake OpenAI server."""
+"""Each example runs end to end (as a user would start it) against the real router on a fake P/D pair."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.fakes.openai_server import FakeOpenAIServer
+from kvlease_stack.testing import Reply, RouterOnFakePair
 
 ROOT = Path(__file__).resolve().parents[2]
+TOOL_CALL = {"id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
 
 
 def _run(script: str, *args: str) -> str:
@@ -28,7 +29,9 @@ def _run(script: str, *args: str) -> str:
 @pytest.mark.parametrize("reply", ["plain", "tool_calls"])
 @pytest.mark.parametrize("stream", [True, False])
 def test_agent_loop(reply: str, stream: bool) -> None:
-    with FakeOpenAIServer(reply=reply) as srv:
+    with RouterOnFakePair() as srv:
+        if reply == "tool_calls":
+            srv.script(*[Reply(tool_calls=[TOOL_CALL])] * 3)
         extra = [] if stream else ["--no-stream"]
         out = _run("agent_loop.py", "--base-url", srv.base_url, "--model", "m", "--turns", "3", *extra)
         chats = srv.requests_to("/v1/chat/completions")
@@ -44,7 +47,7 @@ def test_agent_loop(reply: str, stream: bool) -> None:
 
 
 def test_agent_loop_async() -> None:
-    with FakeOpenAIServer() as srv:
+    with RouterOnFakePair() as srv:
         out = _run("agent_loop_async.py", "--base-url", srv.base_url, "--model", "m", "--agents", "3")
         chats = srv.requests_to("/v1/chat/completions")
         released = sorted(srv.released)

@@ -1,4 +1,5 @@
-"""``examples/langchain_agent.py`` runs as a script against a fake router whose leases really expire.
+"""``examples/langchain_agent.py`` runs as a script against the real router (on the fake P/D pair),
+whose leases really expire.
 
 The tool sleeps longer than the lease TTL: with heartbeats the follow-up turns are ``hit``s, without
 them ``expired`` (the same script, ``--no-heartbeat``), which shows the heartbeats are what kept them.
@@ -11,16 +12,21 @@ import sys
 from pathlib import Path
 
 import pytest
-from _fake_server import FakeRouter, Reply
 
 from kvlease import protocol as p
+from kvlease_stack.testing import FakeConfig, Reply, RouterOnFakePair
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "langchain_agent.py"
 TTL = 3.0  # the keeper renews at 60 % of it: 1.2 s of slack for a loaded machine
 TOOL_SECONDS = 4.5  # > TTL
+MARGIN = 5.0  # the router's lease is D's TTL minus this margin
 
 
-def _run(router: FakeRouter, *extra: str) -> subprocess.CompletedProcess[str]:
+def _stack() -> RouterOnFakePair:
+    return RouterOnFakePair(FakeConfig(ttl=TTL + MARGIN), ttl_margin=MARGIN)
+
+
+def _run(router: RouterOnFakePair, *extra: str) -> subprocess.CompletedProcess[str]:
     router.script(
         Reply(reasoning="use the tool", tool_calls=[{"name": "slow_lookup", "arguments": {"query": "disk"}}])
     )
@@ -31,7 +37,7 @@ def _run(router: FakeRouter, *extra: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.slow
 def test_agent_keeps_its_lease_through_a_slow_tool() -> None:
-    with FakeRouter(ttl=TTL) as router:
+    with _stack() as router:
         out = _run(router)
         renewals = router.renew_requests()
         chats = router.chat_requests()
@@ -51,7 +57,7 @@ def test_agent_keeps_its_lease_through_a_slow_tool() -> None:
 
 @pytest.mark.slow
 def test_without_heartbeats_the_leases_expire() -> None:
-    with FakeRouter(ttl=TTL) as router:
+    with _stack() as router:
         out = _run(router, "--no-heartbeat")
         renewals = router.renew_requests()
     assert out.returncode == 1, out.stdout + out.stderr  # --check: follow-ups did not reuse

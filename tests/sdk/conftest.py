@@ -5,16 +5,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
+from _sdk_support import FAST_RETRY
 from fakes.openai_server import FakeOpenAIServer
 from openai import AsyncOpenAI, OpenAI
 
 import kvlease
-from kvlease import RetryPolicy
-
-#: Retries without real waiting (tests must not sleep for backoff).
-FAST_RETRY = RetryPolicy(
-    attempts=4, max_delay_s=5.0, initial_wait_s=0.001, max_wait_s=0.002, jitter_s=0.0, timeout_s=5.0
-)
 
 
 @pytest.fixture

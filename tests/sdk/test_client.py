@@ -9,7 +9,7 @@ from typing import Any
 
 import openai
 import pytest
-from conftest import FAST_RETRY
+from _sdk_support import FAST_RETRY
 from fakes.openai_server import FakeOpenAIServer
 from openai import AsyncOpenAI, OpenAI
 
@@ -190,7 +190,14 @@ def test_stripped_reasoning_turns_reuse_off_and_warns_once(
     ours = [w for w in caught if issubclass(w.category, ReuseOffWarning)]
     assert len(ours) == 1
     text = str(ours[0].message)
-    assert conv.id in text and "reasoning_content" in text and 'reasoning="keep"' in text
+    assert "reasoning_content" in text and 'reasoning="keep"' in text
+    # the id is an attribute, not in the text (one registry entry per kind), and the warning points
+    # at the caller's line, not at kvlease's transport
+    assert conv.id not in text
+    warning = ours[0].message
+    assert isinstance(warning, ReuseOffWarning) and warning.conversation_id == conv.id
+    assert warning.history is HistoryClass.REASONING_STRIPPED and warning.reuse_off
+    assert ours[0].filename == __file__
     assert kc.reuse_off_turns == 2
 
 
@@ -236,7 +243,8 @@ def test_edited_history_and_tool_calls(kc: kvlease.KVLeaseClient, fake_server: F
                 model="m", messages=[*exact, {"role": "assistant", "content": "x"}, USER]
             )
         changed = [USER, {"role": "assistant", "content": None, "tool_calls": []}, _tool_result(call.id)]
-        conv.chat.completions.create(model="m", messages=changed)
+        with pytest.warns(ReuseOffWarning, match="earlier message 1"):  # another kind: warned too
+            conv.chat.completions.create(model="m", messages=changed)
         hist = [t.history for t in conv.turns]
     assert hist == [
         HistoryClass.FIRST_TURN,
@@ -249,14 +257,24 @@ def test_edited_history_and_tool_calls(kc: kvlease.KVLeaseClient, fake_server: F
     with kc.conversation() as conv2:
         r = conv2.chat.completions.create(model="m", messages=[USER], tools=_TOOLS)
         msg = r.choices[0].message.model_dump(exclude_none=True)
-        msg["tool_calls"][0]["function"]["arguments"] = json.dumps(
-            json.loads(msg["tool_calls"][0]["function"]["arguments"]), separators=(",", ":")
-        )
-        with pytest.warns(ReuseOffWarning, match="tool calls"):
+        compact = json.dumps(json.loads(msg["tool_calls"][0]["function"]["arguments"]), separators=(",", ":"))
+        msg["tool_calls"][0]["function"]["arguments"] = compact  # as pydantic-ai resends them
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ReuseOffWarning)  # renders to the same tokens: exact
             conv2.chat.completions.create(
                 model="m", messages=[USER, msg, _tool_result(call.id)], tools=_TOOLS
             )
-        assert conv2.turns[-1].history is HistoryClass.TOOL_CALLS_CHANGED
+        assert conv2.turns[-1].history is HistoryClass.EXACT
+    with kc.conversation() as conv3:
+        fake_server.reply = "tool_calls"
+        r = conv3.chat.completions.create(model="m", messages=[USER], tools=_TOOLS)
+        msg = r.choices[0].message.model_dump(exclude_none=True)
+        msg["tool_calls"][0]["function"]["arguments"] = '{"other": 1}'
+        with pytest.warns(ReuseOffWarning, match="tool calls"):
+            conv3.chat.completions.create(
+                model="m", messages=[USER, msg, _tool_result(call.id)], tools=_TOOLS
+            )
+        assert conv3.turns[-1].history is HistoryClass.TOOL_CALLS_CHANGED
 
 
 _TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]

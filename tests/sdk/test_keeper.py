@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from conftest import FAST_RETRY
+from _sdk_support import FAST_RETRY
 from fakes.openai_server import FakeOpenAIServer
 from openai import AsyncOpenAI, OpenAI
 

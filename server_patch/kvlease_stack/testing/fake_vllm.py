@@ -5,20 +5,26 @@ microseconds. The fake mimics vLLM 0.32's P/D wire behaviour with ``NixlConnecto
 bidirectional mode, and optionally the kvlease connector and plugin:
 
 * P (``max_tokens=1``, ``do_remote_decode``) answers JSON with ``kv_transfer_params`` for D. Given
-  D's handle, it "pulls": stock mode by length, kvlease mode only the longest common prefix of block
-  hashes, and reports ``kvlease.reused_tokens``. A pull reads D's retained blocks once (single use)
-  through a fake side channel, so expired/released/consumed handles really fail.
-* D decodes (JSON or SSE like vLLM), retains the blocks of prompt + output for the TTL, and returns
-  its handle in the JSON body (stock bidirectional) and, with the plugin, in the final stream chunk.
-* The kvlease control endpoint (``/info``, ``/renew``, ``/release``, bearer auth) on its own port.
+  D's handle, it "pulls": stock mode by length, kvlease mode what the connector's real verification
+  (``kvlease_vllm._verify``: MAC, salted block hashes, tail hash) accepts, and reports
+  ``kvlease.reused_tokens``. A pull reads D's retained blocks once (single use) through a fake side
+  channel, so expired/released/consumed handles really fail.
+* D decodes (JSON or SSE like vLLM), leases the blocks of prompt + output in the connector's real
+  retention table (``kvlease_vllm._retention``) for the TTL, and returns its handle (real
+  ``handle_ext`` + ``handle_mac``) in the JSON body (stock bidirectional) and, with the plugin, in
+  the final stream chunk.
+* The kvlease control endpoint (``/info``, ``/renew``, ``/release``, ``/metrics``, bearer auth) on
+  its own port, over the connector's real ``LeaseDesk``. The kvlease logic lives in
+  :mod:`kvlease_stack.testing._fake_kv`; this module is the vLLM-shaped HTTP around it.
 
-"Tokens" are the UTF-8 bytes of the ChatML-rendered prompt, so hashes behave like vLLM's: an edited
-history changes the blocks after the edit.
+"Tokens" are the UTF-8 bytes of the ChatML-rendered prompt; replies may be scripted
+(:mod:`kvlease_stack.testing._replies`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import time
 import uuid
 from collections import deque
@@ -29,27 +35,31 @@ import orjson
 from aiohttp import web
 
 from kvlease.protocol import (
+    CACHE_SALT,
+    CHAT_COMPLETIONS_PATH,
+    COMPLETIONS_PATH,
+    CONTROL_AUTH_HEADER,
     CONTROL_INFO_PATH,
+    CONTROL_METRICS_PATH,
     CONTROL_RELEASE_PATH,
     CONTROL_RENEW_PATH,
+    HEALTH_PATH,
     KV,
     KV_TRANSFER_PARAMS,
-    PREFILL_REUSE_STATUS,
-    PREFILL_REUSED_TOKENS,
+    SSE_DONE,
     ControlInfo,
-    ControlReleaseRequest,
-    ControlRenewRequest,
-    ControlRenewResponse,
-    LeaseHandleExt,
+    ErrorBody,
     ProtocolError,
     Role,
-    block_hashes,
-    common_prefix_blocks,
 )
+from kvlease_stack.testing._fake_kv import READ_FAILED, DecodeLeases, PrefillLogic, Reuse
+from kvlease_stack.testing._replies import WORDS, Reply, render_chat, tokens
+from kvlease_vllm._config import KVLeaseConfig
+from kvlease_vllm._metrics import CONTENT_TYPE_LATEST
+from kvlease_vllm._verify import Reason
 
-__all__ = ["FakeConfig", "FakeNode", "FakePair", "render_chat"]
+__all__ = ["FakeConfig", "FakeNode", "FakePair", "Reply", "render_chat"]
 
-_WORDS = ("alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu")
 READ_PATH = "/_fake/nixl/read"
 CONFIG_PATH = "/_fake/config"
 STATS_PATH = "/_fake/stats"
@@ -72,28 +82,12 @@ class FakeConfig:
     fail_next: int = 0  # answer the next N chat/completion requests with fail_status
     fail_status: int = 500
     fail_with_handle: int = 0  # P: fail the next N requests that carry D's handle
-    control_secret: str = "fake-secret"
-
-
-def render_chat(messages: object) -> str:
-    """ChatML rendering with the generation prompt (what the tiny model's template does)."""
-    out = []
-    if isinstance(messages, list):
-        for m in messages:
-            if isinstance(m, dict):
-                content = m.get("content")
-                text = (
-                    content
-                    if isinstance(content, str)
-                    else ("" if content is None else orjson.dumps(content).decode())
-                )
-                out.append(f"<|im_start|>{m.get('role')}\n{text}<|im_end|>\n")
-    out.append("<|im_start|>assistant\n")
-    return "".join(out)
-
-
-def _tokens(text: str) -> list[int]:
-    return list(text.encode("utf-8", "surrogatepass"))
+    control_secret: str = "fake-secret"  # "": none (renew/release refused, handles unsigned)
+    # D names its partial last block too (P may then pull it, verified by the tail hash); off, the
+    # handle names whole blocks only and every pull is whole blocks
+    partial_block: bool = False
+    capacity_blocks: int = 1 << 20  # D's retention cap (the connector's max_retained_fraction)
+    renew_guard: float = KVLeaseConfig.renew_guard_s
 
 
 def _bad(msg: str, status: int = 400) -> web.Response:
@@ -109,22 +103,17 @@ class FakeNode:
 
     def __post_init__(self) -> None:
         self.engine_id = f"{self.role.value}-{uuid.uuid4().hex[:8]}"
-        self.retained: dict[str, tuple[list[int], float]] = {}
-        self.requests: deque[dict[str, Any]] = deque(maxlen=256)
+        kv_cfg = KVLeaseConfig(renew_guard_s=self.config.renew_guard)
+        self.verifier = PrefillLogic(kv_cfg, self._secret)
+        #: D's leases (lease id -> retained tokens); ``del``/``clear()`` evict behind D's back
+        self.retained = DecodeLeases(kv_cfg, self.config.capacity_blocks)
+        self.requests: deque[dict[str, Any]] = deque(maxlen=256)  # bodies of the completions
+        self._scripted: deque[Reply] = deque()
         self.headers: deque[dict[str, str]] = deque(maxlen=256)
-        self.stats: dict[str, int] = {
-            k: 0
-            for k in (
-                "requests",
-                "streams",
-                "streams_aborted",
-                "open_streams",
-                "reads_ok",
-                "reads_failed",
-                "renew_calls",
-                "release_calls",
-            )
-        }
+        counters = (
+            "requests streams streams_aborted open_streams reads_ok reads_failed renew_calls release_calls"
+        )
+        self.stats: dict[str, int] = dict.fromkeys(counters.split(), 0)
         self.renew_batches: list[list[str]] = []
         self.port = 0
         self.control_port = 0
@@ -138,6 +127,10 @@ class FakeNode:
     @property
     def control(self) -> str | None:
         return f"http://{self.host}:{self.control_port}" if self.config.kvlease else None
+
+    def script(self, *replies: Reply) -> None:
+        """Answer the next generations (anything but P's prefill of a P/D request) with ``replies``."""
+        self._scripted.extend(replies)
 
     # ---- lifecycle -----------------------------------------------------------------------------
     async def start(self, port: int = 0, control_port: int = 0) -> FakeNode:
@@ -164,11 +157,11 @@ class FakeNode:
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.add_routes(
             [
-                web.post("/v1/chat/completions", self._completion),
-                web.post("/v1/completions", self._completion),
+                web.post(CHAT_COMPLETIONS_PATH, self._completion),
+                web.post(COMPLETIONS_PATH, self._completion),
                 web.get("/v1/models", self._models),
                 web.get("/version", self._version),
-                web.get("/health", self._health),
+                web.get(HEALTH_PATH, self._health),
                 web.post(READ_PATH, self._read),
                 web.post(CONFIG_PATH, self._set_config),
                 web.get(STATS_PATH, self._stats),
@@ -197,20 +190,12 @@ class FakeNode:
                 setattr(self.config, k, v)
         return web.json_response(asdict(self.config))
 
-    def _alive(self, rid: str) -> list[int] | None:
-        item = self.retained.get(rid)
-        if item is None:
-            return None
-        if time.monotonic() >= item[1]:
-            del self.retained[rid]
-            return None
-        return item[0]
+    def _secret(self) -> str | None:
+        return self.config.control_secret or None
 
     async def _read(self, request: web.Request) -> web.Response:
         """The fake NIXL READ of retained blocks: single use, like D freeing after the first read."""
-        rid = (await request.json()).get("request_id")
-        if isinstance(rid, str) and self._alive(rid) is not None:
-            del self.retained[rid]
+        if self.retained.read((await request.json()).get("request_id")):
             self.stats["reads_ok"] += 1
             return web.json_response({"ok": True})
         self.stats["reads_failed"] += 1
@@ -242,41 +227,48 @@ class FakeNode:
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or cfg.default_max_tokens
         if not isinstance(max_tokens, int) or max_tokens < 1:
             return _bad("max_tokens must be a positive integer")
-        prompt = _tokens(prompt_text)
+        prompt = tokens(prompt_text)
         kv = body.get(KV_TRANSFER_PARAMS)
         kv = kv if isinstance(kv, dict) else None
+        salt = body.get(CACHE_SALT) if isinstance(body.get(CACHE_SALT), str) else None
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        reuse: dict[str, Any] | None = None
+        reuse: Reuse | None = None
         if kv is not None and kv.get(KV.DO_REMOTE_DECODE) and kv.get(KV.REMOTE_BLOCK_IDS):
             if cfg.fail_with_handle > 0:
                 cfg.fail_with_handle -= 1
                 return _bad("injected failure with a handle", 500)
-            reuse = await self._pull(kv, prompt)
+            reuse = await self._pull(kv, prompt, salt)
         if cfg.prefill_delay:
             await asyncio.sleep(cfg.prefill_delay)
-        words = [_WORDS[(len(prompt) + i * 7) % len(_WORDS)] for i in range(max_tokens)]
-        pieces = [(" " if i else "") + w for i, w in enumerate(words)]
-        text = "".join(pieces)
-        params = self._params_out(kv, rid, prompt, text, chat, reuse)
-        usage: dict[str, Any] = {"prompt_tokens": len(prompt), "completion_tokens": max_tokens}
-        usage["total_tokens"] = len(prompt) + max_tokens
+        prefill = kv is not None and bool(kv.get(KV.DO_REMOTE_DECODE))
+        reply = self._scripted.popleft() if self._scripted and not prefill else None
+        if reply is None:
+            words = [WORDS[(len(prompt) + i * 7) % len(WORDS)] for i in range(max_tokens)]
+            pieces: list[Any] = [(" " if i else "") + w for i, w in enumerate(words)]
+            text, finish, n_out = "".join(pieces), "length", max_tokens
+            message: dict[str, Any] = {"role": "assistant", "content": text, "reasoning_content": None}
+            message["tool_calls"] = []
+            if chat:
+                pieces = [{"content": piece} for piece in pieces]
+        else:
+            text, finish, message = reply.text(), reply.finish, reply.message()
+            n_out = max(len(tokens(text)), 1)
+            pieces = (reply.deltas() or [{}]) if chat else [text]
+        params = self._params_out(kv, rid, prompt, text, chat, reuse, salt)
+        usage: dict[str, Any] = {"prompt_tokens": len(prompt), "completion_tokens": n_out}
+        usage["total_tokens"] = len(prompt) + n_out
         if cfg.prompt_tokens_details:
-            usage["prompt_tokens_details"] = {"cached_tokens": reuse["tokens"] if reuse else 0}
+            usage["prompt_tokens_details"] = {"cached_tokens": reuse.tokens if reuse else 0}
         if body.get("stream") is True:
-            return await self._stream(request, body, rid, chat, pieces, params, usage)
+            return await self._stream(request, body, rid, chat, (pieces, finish), params, usage)
         choice: dict[str, Any] = {
             "index": 0,
             "logprobs": None,
-            "finish_reason": "length",
+            "finish_reason": finish,
             "stop_reason": None,
         }
         if chat:
-            choice["message"] = {
-                "role": "assistant",
-                "content": text,
-                "reasoning_content": None,
-                "tool_calls": [],
-            }
+            choice["message"] = message
         else:
             choice["text"] = text
         out = {
@@ -291,22 +283,18 @@ class FakeNode:
         }
         return web.Response(body=orjson.dumps(out), content_type="application/json")
 
-    async def _pull(self, kv: dict[str, Any], prompt: list[int]) -> dict[str, Any]:
+    async def _pull(self, kv: dict[str, Any], prompt: list[int], salt: str | None) -> Reuse:
         """P with D's handle: decide what to reuse, then read it from D (single use)."""
         cfg = self.config
         bs = cfg.block_size
-        max_blocks = max(len(prompt) - 1, 0) // bs  # at least one token is always computed
         if cfg.kvlease:
-            try:
-                ext = LeaseHandleExt.from_json(kv.get(KV.KVLEASE))
-            except ProtocolError:
-                return {"tokens": 0, "status": "miss"}
-            n = min(common_prefix_blocks(block_hashes(prompt, bs), ext.hashes), max_blocks)
-            if n == 0:
-                return {"tokens": 0, "status": "mismatch"}
-        else:
+            reuse = self.verifier.plan(dict(kv), prompt, salt, bs)  # a copy: requests logs what came
+            if reuse.reason is not Reason.PULL:
+                return reuse
+        else:  # stock vLLM: by length, unverified; at least one token is always computed
             num = kv.get(KV.REMOTE_NUM_TOKENS)
-            n = min((num if isinstance(num, int) else 0) // bs, max_blocks)  # by length: unverified
+            n = min((num if isinstance(num, int) else 0) // bs, max(len(prompt) - 1, 0) // bs)
+            reuse = Reuse(n * bs, Reason.PULL)
         if cfg.pull_check:
             import aiohttp
 
@@ -320,8 +308,8 @@ class FakeNode:
             except aiohttp.ClientError:
                 ok = False
             if not ok:
-                return {"tokens": 0, "status": "miss"}
-        return {"tokens": n * bs, "status": "hit"}
+                return READ_FAILED
+        return reuse
 
     def _params_out(
         self,
@@ -330,9 +318,11 @@ class FakeNode:
         prompt: list[int],
         text: str,
         chat: bool,
-        reuse: dict[str, Any] | None,
+        reuse: Reuse | None,
+        salt: str | None,
     ) -> dict[str, Any] | None:
         cfg = self.config
+        bs = cfg.block_size
         if kv is None:
             return None
         common = {
@@ -346,39 +336,36 @@ class FakeNode:
             out: dict[str, Any] = {
                 KV.DO_REMOTE_PREFILL: True,
                 KV.DO_REMOTE_DECODE: False,
-                KV.REMOTE_BLOCK_IDS: list(range((len(prompt) + cfg.block_size - 1) // cfg.block_size)),
+                KV.REMOTE_BLOCK_IDS: [list(range(-(-len(prompt) // bs)))],
                 KV.REMOTE_NUM_TOKENS: len(prompt),
                 KV.REMOTE_BLOCKS_EXPIRY_TIME: None,
                 **common,
             }
             if cfg.kvlease and reuse is not None:
-                out[KV.KVLEASE] = {
-                    PREFILL_REUSED_TOKENS: reuse["tokens"],
-                    PREFILL_REUSE_STATUS: reuse["status"],
-                }
+                out[KV.KVLEASE] = reuse.report()
             return out
         if self.role is Role.DECODE and kv.get(KV.DO_REMOTE_PREFILL) and cfg.bidirectional:
-            held = prompt + _tokens(text) + (_tokens("<|im_end|>") if chat else [])
-            deadline = time.monotonic() + cfg.ttl
-            self.retained[rid] = (held, deadline)
+            held = prompt + tokens(text) + (tokens("<|im_end|>") if chat else [])
+            n_blocks = -(-len(held) // bs) if cfg.partial_block else len(held) // bs
             out = {
                 KV.DO_REMOTE_DECODE: True,
                 KV.DO_REMOTE_PREFILL: False,
-                KV.REMOTE_BLOCK_IDS: list(range((len(held) + cfg.block_size - 1) // cfg.block_size)),
+                KV.REMOTE_BLOCK_IDS: [list(range(n_blocks))],
                 KV.REMOTE_NUM_TOKENS: len(held),
-                KV.REMOTE_BLOCKS_EXPIRY_TIME: deadline,
+                KV.REMOTE_BLOCKS_EXPIRY_TIME: None,
                 **common,
             }
-            if cfg.kvlease:
-                out[KV.KVLEASE] = LeaseHandleExt(
-                    block_size=cfg.block_size,
-                    num_tokens=len(held),
-                    hashes=tuple(block_hashes(held, cfg.block_size)),
-                    lease_id=rid,
-                    engine_id=self.engine_id,
-                    control=self.control,
-                ).to_json()
-            return out
+            retained = self.retained.retain(
+                out,
+                held,
+                block_size=bs,
+                salt=salt,
+                ttl=cfg.ttl,
+                control=self.control,
+                secret=self._secret(),
+                kvlease=cfg.kvlease,
+            )
+            return out if retained else None
         return None
 
     async def _stream(
@@ -387,11 +374,13 @@ class FakeNode:
         body: dict[str, Any],
         rid: str,
         chat: bool,
-        pieces: list[str],
+        output: tuple[list[Any], str],
         params: dict[str, Any] | None,
         usage: dict[str, Any],
     ) -> web.StreamResponse:
+        """``output``: chat deltas (or completion texts) and the finish reason of the last one."""
         cfg = self.config
+        pieces, finish = output
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         self.stats["streams"] += 1
@@ -423,10 +412,10 @@ class FakeNode:
                 c: dict[str, Any] = {
                     "index": 0,
                     "logprobs": None,
-                    "finish_reason": "length" if last else None,
+                    "finish_reason": finish if last else None,
                 }
                 if chat:
-                    c["delta"] = {"content": piece}
+                    c["delta"] = piece
                 else:
                     c["text"] = piece
                 if last:
@@ -438,7 +427,7 @@ class FakeNode:
             so = body.get("stream_options")
             if isinstance(so, dict) and so.get("include_usage"):
                 await resp.write(b"data: " + orjson.dumps({**base, "choices": [], "usage": usage}) + b"\n\n")
-            await resp.write(b"data: [DONE]\n\n")
+            await resp.write(SSE_DONE.encode())
             await resp.write_eof()
         except (ConnectionResetError, asyncio.CancelledError):
             self.stats["streams_aborted"] += 1
@@ -449,22 +438,30 @@ class FakeNode:
 
     # ---- the kvlease control endpoint ----------------------------------------------------------
     def _control_app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(client_max_size=1 << 20)  # the connector's MAX_BODY_BYTES
         app.add_routes(
             [
                 web.get(CONTROL_INFO_PATH, self._info),
+                web.get(CONTROL_METRICS_PATH, self._metrics),
                 web.post(CONTROL_RENEW_PATH, self._renew),
                 web.post(CONTROL_RELEASE_PATH, self._release),
             ]
         )
         return app
 
-    def _authorized(self, request: web.Request) -> bool:
-        return request.headers.get("Authorization") == f"Bearer {self.config.control_secret}"
+    def _refused(self, request: web.Request, mutating: bool) -> web.Response | None:
+        """The connector's auth: bearer token in constant time; no secret, no renew/release."""
+        secret = self._secret()
+        if secret is None:
+            return _control_error(403, "no control secret configured on this node") if mutating else None
+        scheme, _, token = request.headers.get(CONTROL_AUTH_HEADER, "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), secret.encode()):
+            return _control_error(401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"})
+        return None
 
     async def _info(self, request: web.Request) -> web.Response:
-        if not self._authorized(request):
-            return _bad("unauthorized", 401)
+        if (refused := self._refused(request, False)) is not None:
+            return refused
         cfg = self.config
         info = ControlInfo(
             role=self.role,
@@ -479,36 +476,44 @@ class FakeNode:
         )
         return web.json_response(info.to_json())
 
-    async def _renew(self, request: web.Request) -> web.Response:
-        if not self._authorized(request):
-            return _bad("unauthorized", 401)
+    async def _metrics(self, request: web.Request) -> web.Response:
+        if (refused := self._refused(request, False)) is not None:
+            return refused
+        body = self.retained.desk.metrics.render()
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _control_body(self, request: web.Request) -> object:
         try:
-            req = ControlRenewRequest.from_json(await request.json())
+            return orjson.loads(await request.read() or b"null")
+        except orjson.JSONDecodeError:
+            raise ProtocolError("body is not valid JSON") from None
+
+    async def _renew(self, request: web.Request) -> web.Response:
+        if (refused := self._refused(request, True)) is not None:
+            return refused
+        try:
+            req, answer = self.retained.renew(await self._control_body(request))
         except ProtocolError as e:
-            return _bad(str(e))
+            return _control_error(400, str(e))
         self.stats["renew_calls"] += 1
         self.renew_batches.append(list(req.request_ids))
-        now = time.monotonic()
-        out: dict[str, float | None] = {}
-        for rid in req.request_ids:
-            held = self._alive(rid)
-            if held is None:
-                out[rid] = None
-            else:
-                self.retained[rid] = (held, now + req.ttl)
-                out[rid] = req.ttl
-        return web.json_response(ControlRenewResponse(out).to_json())
+        return web.json_response(answer)
 
     async def _release(self, request: web.Request) -> web.Response:
-        if not self._authorized(request):
-            return _bad("unauthorized", 401)
+        if (refused := self._refused(request, True)) is not None:
+            return refused
         try:
-            req = ControlReleaseRequest.from_json(await request.json())
+            answer = self.retained.release(await self._control_body(request))
         except ProtocolError as e:
-            return _bad(str(e))
+            return _control_error(400, str(e))
         self.stats["release_calls"] += 1
-        n = sum(self.retained.pop(rid, None) is not None for rid in req.request_ids)
-        return web.json_response({"released": n})
+        return web.json_response(answer)
+
+
+def _control_error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    """The connector control endpoint's error body (``_control._Handler._error``)."""
+    body = ErrorBody.for_status(status, message).to_json()
+    return web.json_response(body, status=status, headers=headers)
 
 
 @dataclass
@@ -564,19 +569,14 @@ def main(argv: list[str] | None = None) -> None:
 
     async def run() -> None:
         async with FakePair(cfg, args.decodes) as pair:
-            nodes = [pair.prefill, *pair.decodes]
-            print(
-                json.dumps(
-                    {
-                        "prefill": pair.prefill.url,
-                        "prefill_control": pair.prefill.control,
-                        "decode": [d.url for d in pair.decodes],
-                        "decode_control": [d.control for d in pair.decodes],
-                        "nodes": len(nodes),
-                    }
-                ),
-                flush=True,
-            )
+            addresses = {
+                "prefill": pair.prefill.url,
+                "prefill_control": pair.prefill.control,
+                "decode": [d.url for d in pair.decodes],
+                "decode_control": [d.control for d in pair.decodes],
+                "nodes": 1 + len(pair.decodes),
+            }
+            print(json.dumps(addresses), flush=True)
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
