@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 $(BIN)/kvlease: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev,router,connector,stack,langchain,analyze]'
+	$(BIN)/pip install -q -e '.[dev,router,connector,stack,langchain,analyze,frameworks]'
 	touch $@
 
 install: $(BIN)/kvlease

@@ -51,11 +51,11 @@ ReasoningPolicy = Literal["warn", "keep", "off"]
 class ChatKVLease(BaseChatOpenAI):
     """Chat model for an OpenAI-compatible kvlease router (or a plain vLLM server).
 
-    Every request carries a conversation id, so the router can hand the decode node's KV cache of
-    the previous turn to the prefill node; leases are kept alive by heartbeats while a tool or a
-    human takes its time; a history whose reasoning was stripped or edited is detected and
-    recomputed instead of silently reusing a wrong cache. All of it comes from the kvlease SDK,
-    whose wrapped openai clients are this model's root clients.
+    Reasoning models: LangChain drops reasoning from the history; by default (``"warn"``) the kvlease
+    connector reuses the verified prefix up to it, stock vLLM recomputes; ``"keep"`` sends it back.
+
+    Every request carries a conversation id (the router hands D's KV of the previous turn to P);
+    heartbeats keep leases alive; changed histories are detected. All of it is the kvlease SDK's.
 
     Setup:
         Install ``kvlease[langchain]`` and start a router (``kvlease router --prefill URL --decode URL``)
@@ -94,8 +94,8 @@ class ChatKVLease(BaseChatOpenAI):
         reasoning_policy: "warn" | "keep" | "off"
             ``"keep"`` sends each assistant message's reasoning back on the next turn under the field
             name the server used, so the prompt extends the previous one token for token. ``"warn"``
-            (default) sends histories as they are; a stripped reasoning trace is detected by the SDK,
-            which switches reuse off for that turn and warns once. ``"off"``: no detection.
+            (default) sends histories as they are; the SDK detects a stripped trace and warns once
+            (reuse of the verified prefix, or off on stock vLLM). ``"off"``: no detection.
         heartbeat: bool
             Renew the leases of open conversations in the background (default ``True``).
         max_idle: float

@@ -176,8 +176,9 @@ class BaseClient(Generic[ConvT]):
         return conv
 
     def _dropped(self, conversation_id: str) -> None:
-        """The keeper stopped renewing a conversation (idle or unknown): forget auto-registered ones."""
-        if self._tracker.forget(conversation_id, only_implicit=True) is not None:
+        """The keeper stopped renewing a conversation (idle or unknown): close auto-registered ones,
+        keeping their state for a next turn with the same id (the strip detector outlives the lease)."""
+        if self._tracker.forget(conversation_id, only_implicit=True, retire=True) is not None:
             self._conversations.pop(conversation_id, None)
 
     def _forget(self, conversation_id: str) -> None:

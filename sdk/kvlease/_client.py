@@ -91,6 +91,14 @@ class KVLeaseClient(BaseClient[Conversation]):
         #: ``X-Conversation-Id`` is tracked.
         self.openai: openai.OpenAI = client.with_options(http_client=self._http)
 
+    @property
+    def http_client(self) -> hx.Client:
+        """The HTTP client carrying kvlease (an ``httpx2.Client`` under openai 3.x, ``httpx.Client``
+        under 2.x), for frameworks that take an HTTP client rather than an openai client: pass it
+        with a default ``X-Conversation-Id`` header (``kvlease.protocol.HEADER_CONVERSATION_ID``).
+        It sends through your openai client's own HTTP client; :meth:`close` closes it."""
+        return self._http
+
     def _new_conversation(self, state: ConversationState) -> Conversation:
         return Conversation(self, state)
 
@@ -138,6 +146,11 @@ class AsyncKVLeaseClient(BaseClient[AsyncConversation]):
         self._http = hx.AsyncClient(transport=AsyncKVTransport(inner, self._tracker), trust_env=False)
         self.openai: openai.AsyncOpenAI = client.with_options(http_client=self._http)
 
+    @property
+    def http_client(self) -> hx.AsyncClient:
+        """The async HTTP client carrying kvlease (see :attr:`KVLeaseClient.http_client`)."""
+        return self._http
+
     def _new_conversation(self, state: ConversationState) -> AsyncConversation:
         return AsyncConversation(self, state)
 
@@ -146,6 +159,8 @@ class AsyncKVLeaseClient(BaseClient[AsyncConversation]):
         await self.keeper.release(conversation_id)
 
     async def close(self) -> None:
+        """Stop the keeper and release every open conversation; works from any event loop (as
+        ``AsyncOpenAI.close`` does). The openai client passed to :func:`wrap` stays open."""
         await self.keeper.close()
         self._forget_all()
         await self._http.aclose()
@@ -194,9 +209,10 @@ def wrap(
     """Give an ``openai.OpenAI`` (or ``AsyncOpenAI``) client kvlease behaviour.
 
     - ``reasoning``: ``"warn"`` detects a resent history that is not what the model produced
-      (stripped reasoning, edited content or tool calls, rewritten history), sends
-      reuse off for that turn (:data:`~kvlease.protocol.HEADER_REUSE`) and warns once per conversation
-      (:class:`~kvlease.ReuseOffWarning`); ``"keep"`` also re-attaches stripped reasoning under the
+      (stripped reasoning, edited content or tool calls, rewritten history) and warns once per kind
+      (:class:`~kvlease.ReuseOffWarning`); behind a router whose prefill node verifies tokens reuse
+      stays on (the verified prefix is reused), else that turn is sent with reuse off
+      (:data:`~kvlease.protocol.HEADER_REUSE`); ``"keep"`` also re-attaches stripped reasoning under the
       field name the server used; ``"off"`` disables detection.
     - ``heartbeat``: renew open leases from a background thread (task) before they expire.
     - ``max_idle``: seconds without a turn after which a conversation is no longer renewed, and

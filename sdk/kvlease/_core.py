@@ -4,7 +4,14 @@ The sync and async transports are thin shells over :class:`Tracker`: ``begin`` d
 outgoing request becomes (body with ``conversation_id``, the reuse opt-out header, a repaired history
 under ``reasoning="keep"``), ``response`` reads the kvlease response headers, and ``finish`` turns what
 the response stream showed into a :class:`Turn`, feeds the strip detector and hands the lease to the
-keeper. Times are passed in; nothing here sleeps or does IO (the turn log write is the caller's
+keeper.
+
+Verified partial reuse: each router says on every completion response whether its prefill node
+verifies tokens (:data:`~kvlease.protocol.HEADER_VERIFIED`). Behind one that does, a history that
+changed part-way (stripped reasoning, an edit) is sent with reuse left on: the kvlease connector
+pulls only the token-verified common prefix, so everything before the first changed token is still
+reused, and the turn records it (``Turn.verified_reuse``). Against stock vLLM, which pulls by length,
+and before a router has said either, such a turn carries the reuse opt-out as before. Times are passed in; nothing here sleeps or does IO (the turn log write is the caller's
 callback).
 """
 
@@ -14,13 +21,13 @@ import functools
 import json
 import logging
 import threading
-import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Final, Protocol
 
 from kvlease import _json, protocol
-from kvlease._errors import ReuseOffWarning
+from kvlease._errors import ReuseOffWarning, warn_at_caller
 from kvlease._http import header_values, hx
 from kvlease._observe import ResponseObserver
 from kvlease._strip import HistoryClass, ReasoningPolicy, StripDetector, Verdict
@@ -56,6 +63,10 @@ RESPONSE_HEADERS: Final = frozenset(
 _STATUS_KEY: Final = protocol.HEADER_STATUS.lower().encode("ascii")
 _REUSED_KEY: Final = protocol.HEADER_REUSED_TOKENS.lower().encode("ascii")
 _TTL_KEY: Final = protocol.HEADER_TTL.lower().encode("ascii")
+_VERIFIED_KEY: Final = protocol.HEADER_VERIFIED.lower().encode("ascii")
+#: States of header-tracked conversations whose lease was dropped (idle, unknown to the router),
+#: kept for their next turn: the strip detector and the turn records outlive the lease.
+_RETIRED_MAX: Final = 4096
 _BODY_KEY: Final = b'"' + protocol.BODY_CONVERSATION_ID.encode() + b'"'
 _CHAT_SUFFIX: Final = "/chat/completions"
 _COMPLETIONS_SUFFIX: Final = "/completions"
@@ -71,6 +82,13 @@ class Turn:
     ``None`` when the server sent none (plain vLLM). ``prompt_tokens`` / ``completion_tokens`` come
     from the usage the server returned (``None`` when absent, e.g. a stream without
     ``stream_options={"include_usage": True}``).
+
+    ``history`` is what the strip detector found. When it breaks the prefix, either
+    ``reuse_forced_off`` (the SDK sent the reuse opt-out: stock vLLM, or a router whose mode was not
+    known yet) or ``verified_reuse`` (reuse was left on because the router's prefill node verifies
+    tokens: ``reused_tokens`` is the verified prefix still reused). ``verified``: what the router
+    said on this response (:data:`~kvlease.protocol.HEADER_VERIFIED`); ``None`` without kvlease
+    headers.
     """
 
     index: int
@@ -88,6 +106,8 @@ class Turn:
     reasoning_reattached: bool = False
     gap_s: float | None = None
     stream: bool = False
+    verified: bool | None = None
+    verified_reuse: bool = False
 
 
 class ConversationState:
@@ -130,6 +150,7 @@ class Pending:
         "path",
         "reuse_off",
         "reused_tokens",
+        "root",
         "started_at",
         "state",
         "status",
@@ -137,6 +158,8 @@ class Pending:
         "t0",
         "ttl",
         "verdict",
+        "verified",
+        "verified_reuse",
     )
 
     def __init__(
@@ -150,14 +173,21 @@ class Pending:
         t0: float,
         started_at: float,
         body_prefix: _json.BodyPrefix | None = None,
+        *,
+        verifies: bool = False,
     ) -> None:
         self.state = state
         self.verdict = verdict
         self.body = body
         self.body_prefix = body_prefix
-        self.reuse_off = verdict is not None and verdict.reuse_off
+        breaks = verdict is not None and verdict.reuse_off
+        # behind a router whose P verifies tokens, a changed history keeps reuse on (verified prefix)
+        self.reuse_off = breaks and not verifies
+        self.verified_reuse = breaks and verifies
+        self.verified: bool | None = None
         self.origin = origin
         self.path = path
+        self.root = router_root(origin, path)
         self.auth = auth  # the request's authorization headers: lease requests copy them
         self.t0 = t0
         self.started_at = started_at
@@ -222,7 +252,11 @@ class Tracker:
         self.on_turn = on_turn
         self._lock = threading.Lock()
         self._conversations: dict[str, ConversationState] = {}
+        self._retired: OrderedDict[str, ConversationState] = OrderedDict()
         self._bad_ids_warned: set[str] = set()
+        self._warned_kinds: set[tuple[HistoryClass, bool]] = set()
+        #: router root -> its prefill node verifies tokens (the last completion response said so)
+        self._verifies: dict[str, bool] = {}
         self.reuse_off_turns = 0
 
     # --------------------------------------------------------------------------- conversations
@@ -232,7 +266,12 @@ class Tracker:
         with self._lock:
             state = self._conversations.get(conversation_id)
             if state is None or state.closed:
-                state = ConversationState(conversation_id, self.policy, explicit=explicit)
+                state = self._retired.pop(conversation_id, None)
+                if state is not None:  # a dropped lease: the history it knows is still the history
+                    state.closed = False
+                    state.explicit = state.explicit or explicit
+                else:
+                    state = ConversationState(conversation_id, self.policy, explicit=explicit)
                 self._conversations[conversation_id] = state
             elif explicit:
                 state.explicit = True
@@ -241,14 +280,27 @@ class Tracker:
     def get(self, conversation_id: str) -> ConversationState | None:
         return self._conversations.get(conversation_id)
 
-    def forget(self, conversation_id: str, *, only_implicit: bool = False) -> ConversationState | None:
+    def forget(
+        self, conversation_id: str, *, only_implicit: bool = False, retire: bool = False
+    ) -> ConversationState | None:
+        """Close a conversation. ``retire``: its lease was dropped, not closed by the caller: keep
+        its state (bounded, oldest first out) for a next turn that carries the same id."""
         with self._lock:
+            self._retired.pop(conversation_id, None)
             state = self._conversations.get(conversation_id)
             if state is None or (only_implicit and state.explicit):
                 return None
             del self._conversations[conversation_id]
             state.closed = True
+            if retire:
+                self._retired[conversation_id] = state
+                while len(self._retired) > _RETIRED_MAX:
+                    self._retired.popitem(last=False)
             return state
+
+    def verifies(self, root: str) -> bool | None:
+        """Whether the router at ``root`` said its prefill node verifies tokens (``None``: not yet)."""
+        return self._verifies.get(root)
 
     def states(self) -> list[ConversationState]:
         with self._lock:
@@ -312,17 +364,55 @@ class Tracker:
             else:
                 prefix = None
         body = inject_conversation_id(body, conversation_id)
-        pending = Pending(state, verdict, body, origin, path, auth, t0, started_at, prefix)
-        if verdict is not None and verdict.reuse_off and not state.warned:
-            state.warned = True
-            warnings.warn(
-                f"kvlease: conversation {conversation_id!r}: {verdict.detail}, so KV reuse is off for this "
-                f"turn ({protocol.HEADER_REUSE}: {protocol.REUSE_OFF}) and the prompt is recomputed. "
-                f"Fix: {verdict.fix}. (Warned once per conversation.)",
-                ReuseOffWarning,
-                stacklevel=2,
-            )
+        verifies = self._verifies.get(router_root(origin, path)) is True
+        pending = Pending(state, verdict, body, origin, path, auth, t0, started_at, prefix, verifies=verifies)
+        if verdict is not None and verdict.reuse_off:
+            self._report(state, verdict, reuse_off=pending.reuse_off)
         return pending
+
+    def _report(self, state: ConversationState, verdict: Verdict, *, reuse_off: bool) -> None:
+        """A changed history: a ``logging`` record once per conversation (the id in ``extra``), and a
+        :class:`~kvlease.ReuseOffWarning` once per kind (its text names no conversation: the
+        warning registry keeps one entry per text), attributed to the caller's code."""
+        if reuse_off:
+            effect = (
+                f"so KV reuse is off for this turn ({protocol.HEADER_REUSE}: {protocol.REUSE_OFF}) "
+                "and the prompt is recomputed"
+            )
+        else:
+            effect = (
+                "but the router's prefill node verifies tokens, so the prefix before the first "
+                "changed token is still reused on this turn"
+            )
+        if not state.warned:
+            state.warned = True
+            log.log(
+                logging.WARNING if reuse_off else logging.INFO,
+                "kvlease: conversation %s: %s, %s. Fix: %s",
+                state.id,
+                verdict.detail,
+                effect,
+                verdict.fix,
+                # the turn log's names: a log formatter or filter sees the same keys
+                extra={
+                    protocol.TurnLogKey.CONVERSATION_ID: state.id,
+                    protocol.TurnLogKey.HISTORY: verdict.history.value,
+                },
+            )
+        kind = (verdict.history, reuse_off)
+        with self._lock:
+            if kind in self._warned_kinds:
+                return
+            self._warned_kinds.add(kind)
+        warn_at_caller(
+            ReuseOffWarning(
+                f"kvlease: {verdict.detail}, {effect}. Fix: {verdict.fix}. (Warned once per kind; the "
+                "conversation is the warning's conversation_id and is logged on the 'kvlease' logger.)",
+                conversation_id=state.id,
+                history=verdict.history,
+                reuse_off=reuse_off,
+            )
+        )
 
     def response(self, p: Pending, status_code: int, headers: hx.Headers, now: float) -> None:
         """The response headers of a tracked request arrived (``now``: the clock ``t0`` was read from)."""
@@ -334,7 +424,15 @@ class Tracker:
             p.status = None if status is None else _reuse_status(status)
             p.reused_tokens = _parse_int(got.get(_REUSED_KEY))
             p.ttl = _parse_float(got.get(_TTL_KEY))
+            verified = got.get(_VERIFIED_KEY)
+            if verified is not None:
+                p.verified = verified.strip().lower() == protocol.VERIFIED_TOKENS
         if 200 <= status_code < 300:
+            # a completion answered: what it says of P is the router's mode (no header: stock)
+            verifies = p.verified is True
+            known = self._verifies.get(p.root)
+            if known is not verifies and (known is not None or len(self._verifies) < 256):
+                self._verifies[p.root] = verifies
             content_type = got.get(b"content-type") or ""
             p.observer = ResponseObserver(
                 sse=content_type.startswith("text/event-stream"),
@@ -381,6 +479,8 @@ class Tracker:
                 reasoning_reattached=verdict is not None and verdict.reattached,
                 gap_s=None if last_ended_at is None else max(0.0, p.started_at - last_ended_at),
                 stream=sse,
+                verified=p.verified,
+                verified_reuse=p.verified_reuse,
             )
             state.turns.append(turn)
             state.last_ended_at = ended_at
@@ -389,8 +489,7 @@ class Tracker:
         if self.on_turn is not None:
             self.on_turn(turn)
         if p.ttl is not None and p.ttl > 0 and self.lease_sink is not None and not state.closed:
-            root = router_root(p.origin, p.path)
-            self.lease_sink.activate(state.id, root, p.ttl, p.auth, explicit=state.explicit)
+            self.lease_sink.activate(state.id, p.root, p.ttl, p.auth, explicit=state.explicit)
         return turn
 
 

@@ -7,7 +7,15 @@ mapped: a router error surfaces as the openai exception users already catch.
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
+from typing import TYPE_CHECKING, Final
+
 from kvlease.protocol import InvalidConversationId, ProtocolError
+
+if TYPE_CHECKING:
+    from kvlease._strip import HistoryClass
 
 __all__ = [
     "ConfigError",
@@ -48,5 +56,59 @@ class KVLeaseWarning(UserWarning):
 
 class ReuseOffWarning(KVLeaseWarning):
     """The history resent on a turn is not what the model produced (stripped reasoning, edited
-    content, changed tool calls, rewritten history): KV reuse was switched off for that turn.
-    Issued once per conversation; the message names the cause and the fix."""
+    content, changed tool calls, rewritten history): KV reuse was switched off for that turn, or,
+    behind a router whose prefill node verifies tokens, limited to the prefix before the change.
+
+    Issued once per kind (``history`` and ``reuse_off``) per client, attributed to the code that
+    made the call; the message names the cause and the fix, not the conversation: that is
+    :attr:`conversation_id` (every conversation also gets one record on the ``kvlease`` logger).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        conversation_id: str | None = None,
+        history: HistoryClass | None = None,
+        reuse_off: bool = True,
+    ) -> None:
+        super().__init__(message)
+        self.conversation_id = conversation_id
+        self.history = history
+        self.reuse_off = reuse_off
+
+
+#: Packages whose frames lie between the user's call and kvlease's transport.
+_LIBRARIES: Final = (
+    "kvlease",
+    "kvlease_langchain",
+    "openai",
+    "httpx",
+    "httpx2",
+    "httpcore",
+    "anyio",
+    "langchain_core",
+    "langchain_openai",
+)
+
+
+def _library_dirs() -> tuple[str, ...]:
+    dirs = []
+    for name in _LIBRARIES:
+        module = sys.modules.get(name)
+        file = getattr(module, "__file__", None)
+        if isinstance(file, str):
+            dirs.append(os.path.dirname(file) + os.sep)
+    return tuple(dirs)
+
+
+def warn_at_caller(warning: Warning) -> None:
+    """``warnings.warn(warning)`` attributed to the first frame outside kvlease and the libraries it
+    runs under (openai, the HTTP client, LangChain): the user's call, not kvlease's transport."""
+    dirs = _library_dirs()
+    frame = sys._getframe(1)
+    level = 2  # warn's stacklevel of our caller's frame
+    while frame is not None and frame.f_code.co_filename.startswith(dirs):
+        frame = frame.f_back  # type: ignore[assignment]
+        level += 1
+    warnings.warn(warning, stacklevel=level)

@@ -6,20 +6,27 @@ under ``reasoning`` / ``reasoning_content``, ``<think>…</think>`` inside conte
 next turn :meth:`StripDetector.inspect` finds that assistant message in the outgoing history and
 classifies it; :meth:`StripDetector.record` commits the turn once the server answered.
 
-Anything but exact means the new prompt is not a token prefix of what the decode node holds, so KV
-reuse is switched off for that turn and the caller warns once per conversation. With
+Anything but exact means the new prompt is not a token prefix of what the decode node holds: the
+caller switches KV reuse off for that turn (stock vLLM pulls by length), or, behind the kvlease
+connector (which pulls only the token-verified common prefix), leaves it on, and warns once per kind. With
 ``policy="keep"`` stripped reasoning is put back under the field name the server used (or, for
 ``<think>`` in content, back into the content), and every later turn re-applies the same repair, so
 the conversation stays exact.
 
-Comparisons ignore leading/trailing whitespace of content and reasoning (chat templates trim them),
-treat ``None``, ``""`` and a missing ``content`` alike, and read list content made only of text parts
-as the concatenated text.
+Comparisons are of what the chat template renders. They ignore leading/trailing whitespace of
+content and reasoning (chat templates trim them), treat ``None``, ``""`` and a missing ``content``
+alike, and read list content made only of text parts as the concatenated text. Tool-call arguments
+are compared the way vLLM renders them: it parses the argument string (``json.loads``; ``None`` or
+``""`` become ``{}``) and the template writes it back with ``tojson`` (``json.dumps``, key order kept,
+``null`` values kept). So ``{"city":"Paris"}`` (pydantic-ai), ``{"city": "Paris"}`` (LangChain) and an
+indented or ASCII-escaped re-serialization are all exact, while reordered keys, a dropped
+``null``-valued key or ``1`` for ``1.0`` are changes (they render to other tokens).
 """
 
 from __future__ import annotations
 
 import enum
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
@@ -34,6 +41,7 @@ __all__ = [
     "StripDetector",
     "ToolCall",
     "Verdict",
+    "rendered_arguments",
     "split_think",
 ]
 
@@ -71,9 +79,38 @@ _BREAKING: Final = frozenset(
 
 @dataclass(frozen=True, slots=True)
 class ToolCall:
+    """One tool call; ``arguments`` is the JSON string as sent (a dict or list is JSON-encoded).
+    Two calls are compared by :attr:`rendered`, not by the argument bytes."""
+
     id: str | None
     name: str | None
     arguments: str
+
+    @property
+    def rendered(self) -> tuple[str | None, str | None, str]:
+        """``(id, name, arguments as the chat template renders them)``."""
+        return self.id, self.name, rendered_arguments(self.arguments)
+
+
+def rendered_arguments(arguments: object) -> str:
+    """Tool-call arguments as vLLM's chat template renders them: parsed (empty or ``None``: ``{}``),
+    then ``json.dumps`` (the ``tojson`` filter: key order kept, ``ensure_ascii=False``). Arguments
+    that are not JSON are compared as they are."""
+    value = arguments
+    if isinstance(arguments, str):
+        if not arguments.strip():
+            value = {}
+        else:
+            try:
+                value = json.loads(arguments)
+            except ValueError:
+                return arguments
+    elif arguments is None:
+        value = {}
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return repr(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +191,11 @@ def normalize_tool_calls(value: object) -> tuple[ToolCall, ...]:
         fn = item.get("function")
         fn = fn if isinstance(fn, Mapping) else {}
         args = fn.get("arguments")
+        if isinstance(args, (Mapping, list)):  # vLLM accepts parsed arguments too
+            try:
+                args = json.dumps(args, ensure_ascii=False)
+            except (TypeError, ValueError):
+                args = ""
         ident = item.get("id")
         name = fn.get("name")
         out.append(
@@ -164,6 +206,13 @@ def normalize_tool_calls(value: object) -> tuple[ToolCall, ...]:
             )
         )
     return tuple(out)
+
+
+def _same_tool_calls(sent: Sequence[ToolCall], returned: Sequence[ToolCall]) -> bool:
+    """The resent tool calls render like the returned ones (same ids, names, rendered arguments)."""
+    if len(sent) != len(returned):
+        return False
+    return all(a == b or a.rendered == b.rendered for a, b in zip(sent, returned))
 
 
 _NON_TEXT: Final = object()
@@ -195,12 +244,17 @@ def _sent_reasoning(message: Mapping[str, Any]) -> str:
 
 
 _HEADER_NOTE: Final = f"{protocol.HEADER_REUSE}: {protocol.REUSE_OFF}"
-_FIX_KEEP: Final = 'or wrap the client with reasoning="keep" to re-attach it automatically'
+_FIX_KEEP: Final = (
+    'or turn on the "keep" reasoning policy to re-attach it automatically '
+    '(kvlease.wrap(client, reasoning="keep"); ChatKVLease(reasoning_policy="keep"))'
+)
 _FIX_EDITED: Final = (
     "append the assistant message exactly as returned (e.g. messages.append(r.choices[0].message)) "
     "and put changes in new messages"
 )
-_FIX_TOOLS: Final = "resend tool_calls exactly as returned (same ids, names and argument strings)"
+_FIX_TOOLS: Final = (
+    "resend tool_calls as returned (same ids, names, and arguments with the same keys in the same order)"
+)
 _FIX_REWRITTEN: Final = "only append to the history; to change earlier turns, start a new conversation"
 
 
@@ -278,7 +332,7 @@ class StripDetector:
         self, sent: Mapping[str, Any], reply: AssistantReply
     ) -> tuple[HistoryClass, str, str, dict[str, Any] | None]:
         """``(class, detail, fix, repaired message or None)`` for the resent assistant message."""
-        if normalize_tool_calls(sent.get("tool_calls")) != reply.tool_calls:
+        if not _same_tool_calls(normalize_tool_calls(sent.get("tool_calls")), reply.tool_calls):
             if not sent.get("tool_calls"):
                 detail = "the tool calls the model made were dropped from the resent message"
             else:

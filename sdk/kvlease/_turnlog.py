@@ -22,7 +22,9 @@ class TurnLog:
 
     Each line has the keys of :data:`kvlease.protocol.TURN_LOG_FIELDS` (``ts`` is the turn's start,
     ``gap_s`` the time since the previous turn of that conversation ended), then ``turn``,
-    ``history`` and ``reuse_off``.
+    ``history`` and ``reuse_off``, and, when known, ``verified`` (the router's prefill node
+    verifies tokens) and ``verified_reuse`` (the history changed and reuse was left on:
+    ``reused_tokens`` is the verified prefix still reused).
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -70,9 +72,18 @@ def _record(turn: Turn) -> dict[str, Any]:
         status=None if turn.status is None else turn.status.value,
         reused_tokens=turn.reused_tokens,
         gap_s=None if turn.gap_s is None else round(turn.gap_s, 6),
-        extra={
-            TurnLogKey.TURN: turn.index,
-            TurnLogKey.HISTORY: turn.history.value,
-            TurnLogKey.REUSE_OFF: turn.reuse_forced_off,
-        },
+        extra=_extra(turn),
     ).to_json()
+
+
+def _extra(turn: Turn) -> dict[str, Any]:
+    extra: dict[str, Any] = {
+        TurnLogKey.TURN: turn.index,
+        TurnLogKey.HISTORY: turn.history.value,
+        TurnLogKey.REUSE_OFF: turn.reuse_forced_off,
+    }
+    if turn.verified is not None:
+        extra[TurnLogKey.VERIFIED] = turn.verified
+    if turn.verified_reuse:
+        extra[TurnLogKey.VERIFIED_REUSE] = True
+    return extra

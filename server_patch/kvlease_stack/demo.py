@@ -9,7 +9,9 @@ agent through the wrapped OpenAI client:
   every turn;
 - one tool takes longer than the decode node's retention TTL: the SDK's heartbeats keep the lease;
 - one answer carries ``<think>`` reasoning that the agent strips from its history before the next
-  turn (as many frameworks do): the SDK detects it and asks for a full recompute;
+  turn (as many frameworks do): the SDK detects it and, since the router says its prefill node
+  verifies tokens, leaves reuse on: the connector reuses the verified prefix before the stripped
+  block, and the row says how many tokens that was;
 
 and prints one row per turn (prompt tokens, kvlease status, reused tokens, time to first token).
 Then it runs the same conversation with kvlease off (plain recompute), compares the answers
@@ -106,6 +108,23 @@ def run_tool(name: str, arguments: str) -> str:
     return f"$ pytest {path}\n" + "".join(
         f"{path}::test_case_{n}_{j} {'FAILED' if j % 3 == n % 3 else 'PASSED'}\n" for j in range(8)
     )
+
+
+def warning_note(text: str) -> str:
+    """The cause named by an SDK warning (its first clause), for the note under a row."""
+    text = text.removeprefix("kvlease: ")
+    return re.split(r", (?:so|but) ", text, maxsplit=1)[0]
+
+
+def turn_note(t: Any, calls: str) -> str:
+    """The note of a kvlease row: what the SDK detected and what it did about it, then the calls."""
+    if t.verified_reuse:
+        note = f"SDK: {t.history.value} -> verified prefix reused ({t.reused_tokens} tokens); {calls}"
+    elif t.reuse_forced_off:
+        note = f"SDK: {t.history.value} -> recompute; {calls}"
+    else:
+        return calls
+    return note.rstrip("; ")
 
 
 @dataclass
@@ -264,15 +283,12 @@ def _agent(
                     warnings.simplefilter("always", kvlease.KVLeaseWarning)
                     answer, calls = _collect(_create(conv, model, messages, action, extra, headers))
                 for w in caught:  # the SDK's warning, shown as a note under the turn's row
-                    first = re.sub(r"^kvlease: conversation '[^']*': ", "", str(w.message)).split(", so ")[0]
-                    say(f"  SDK warning: {first}", reuse)
+                    say(f"  SDK warning: {warning_note(str(w.message))}", reuse)
                 answers.append(
                     json.dumps([answer, [(c["function"]["name"], c["function"]["arguments"]) for c in calls]])
                 )
                 t = conv.turns[-1]
-                note = ", ".join(_call_text(c) for c in calls)
-                if t.reuse_forced_off and reuse:
-                    note = f"SDK: {t.history.value} -> recompute; {note}".rstrip("; ")
+                note = turn_note(t, ", ".join(_call_text(c) for c in calls)) if reuse else ""
                 rows.append(
                     Row(step, t.prompt_tokens, t.status and t.status.value, t.reused_tokens, t.ttft_s, note)
                 )

@@ -1,4 +1,4 @@
-"""``ChatKVLease`` end to end over real HTTP against a fake router (the SDK underneath is real).
+"""``ChatKVLease`` end to end over real HTTP against the fake router (the SDK underneath is real).
 
 What the server received (headers, bodies) is the evidence: conversation ids, the reuse opt-out,
 reasoning sent back; what the caller got (messages, content blocks, usage, turn records) the rest.
@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
-from _fake_server import FakeRouter, Reply
+from fakes.openai_server import FakeOpenAIServer as FakeRouter
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage, ToolMessage
 from langgraph.graph import START, MessagesState, StateGraph
 from pydantic import BaseModel, ValidationError
@@ -22,11 +22,13 @@ from pydantic import BaseModel, ValidationError
 import kvlease
 from kvlease import protocol as p
 from kvlease_langchain import ChatKVLease
+from kvlease_stack.testing import Reply
 
 
 @pytest.fixture
 def router() -> Iterator[FakeRouter]:
-    with FakeRouter() as srv:
+    # echo replies ("echo: <user text>", reasoning "thinking about <it>"); hits reuse 16 tokens a turn
+    with FakeRouter(reply="echo", reused_per_turn=16) as srv:
         yield srv
 
 

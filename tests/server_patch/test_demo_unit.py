@@ -33,3 +33,38 @@ def test_reasoning_answer_is_what_the_agent_strips() -> None:
 def test_tool_call_regexes_name_their_tool() -> None:
     for name in TOOL_NAMES:
         assert name in tool_call_regex(name)
+
+
+def test_the_stripped_turn_row_says_how_many_tokens_it_reused() -> None:
+    from types import SimpleNamespace
+
+    from kvlease import HistoryClass
+    from kvlease_stack.demo import turn_note
+
+    stripped = SimpleNamespace(
+        history=HistoryClass.REASONING_STRIPPED,
+        verified_reuse=True,
+        reuse_forced_off=False,
+        reused_tokens=912,
+    )
+    assert (
+        turn_note(stripped, "run_tests()")
+        == "SDK: reasoning-stripped -> verified prefix reused (912 tokens); run_tests()"
+    )
+    stock = SimpleNamespace(
+        history=HistoryClass.REASONING_STRIPPED, verified_reuse=False, reuse_forced_off=True, reused_tokens=0
+    )
+    assert turn_note(stock, "") == "SDK: reasoning-stripped -> recompute"
+    exact = SimpleNamespace(
+        history=HistoryClass.EXACT, verified_reuse=False, reuse_forced_off=False, reused_tokens=5
+    )
+    assert turn_note(exact, "read_file()") == "read_file()"
+
+
+def test_the_warning_note_is_the_cause() -> None:
+    from kvlease_stack.demo import warning_note
+
+    cause = "the <think>…</think> block was stripped from the resent assistant content"
+    verified = f"kvlease: {cause}, but the router's prefill node verifies tokens, so the prefix ... Fix: ..."
+    assert warning_note(verified) == cause
+    assert warning_note(f"kvlease: {cause}, so KV reuse is off for this turn. Fix: ...") == cause

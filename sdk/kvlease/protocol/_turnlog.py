@@ -26,6 +26,11 @@ class TurnLogKey:
     TURN: Final = "turn"  # the turn's index in its conversation
     HISTORY: Final = "history"  # how the history compared with the previous turn's
     REUSE_OFF: Final = "reuse_off"  # the SDK sent the per-turn reuse opt-out
+    # optional (written only when known / true)
+    VERIFIED: Final = "verified"  # the router said P verifies tokens (``X-KVLease-Verified``)
+    #: the history changed (``history`` says how) and reuse was left on: ``reused_tokens`` is the
+    #: token-verified prefix that was still reused
+    VERIFIED_REUSE: Final = "verified_reuse"
 
 
 #: Keys of one turn-log JSON line, in order (the SDK's extras follow them).
