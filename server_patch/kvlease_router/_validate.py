@@ -1,8 +1,9 @@
 """Start-up validation of a P/D cluster (sans-IO: takes what the nodes reported, returns a plan).
 
 The router refuses to start (:class:`ConfigError` naming the nodes) when prefill and decode disagree
-on the model, vLLM version, ``bidirectional_kv_xfer`` or block size, when a node has the wrong role,
-or when the router's TTL is not below D's TTL minus the safety margin.
+on the model, vLLM version, NIXL version, NIXL connector version (14 in vLLM 0.32, 15 in 0.33: P
+and D must be upgraded together), ``bidirectional_kv_xfer`` or block size, when a node has the
+wrong role, or when the router's TTL is not below D's TTL minus the safety margin.
 """
 
 from __future__ import annotations
@@ -86,6 +87,8 @@ def plan_cluster(
             )
     _agree("the served model", facts, [i.model for i in infos])
     version = _agree("the vLLM version", facts, [i.vllm_version or None for i in infos]) or version
+    _agree("the NIXL version", facts, [i.nixl_version for i in infos])
+    _agree("the NIXL connector version", facts, [i.connector_version for i in infos])
     bidir = _agree("bidirectional_kv_xfer", facts, [i.bidirectional_kv_xfer for i in infos])
     block = _agree("the KV block size", facts, [i.block_size for i in infos])
     decode_ttl = min(i.ttl_s for f, i in zip(facts, infos) if f in decode)

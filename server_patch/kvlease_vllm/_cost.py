@@ -2,16 +2,27 @@
 
 Pull iff the verified gain is at least ``kv_recompute_threshold`` tokens AND the predicted transfer
 time is below the predicted recompute time. Both predictions use online estimates (exponentially
-weighted) of the observed pull bandwidth and prefill throughput, and configured defaults until the
-first observation.
+weighted): the pull's seconds per token from completed pulls, the prefill's tokens per second from
+recomputes (both sides learn). Until the first observation the defaults apply; they come from a NIXL
+READ measured on an H200 (``benchmarks/gpu_nixl_pull.json``): vLLM's worker posts one descriptor per
+(layer, K/V, block), ~3.2 us each, plus the bytes at the coalesced rate (~750 GB/s) and a fixed cost
+(~5 ms).
+
+A model that never pulls never learns the pull rate, so a small fraction of cost declines is
+explored (pulled anyway, deterministically every ``1 / explore_fraction``-th one, and only when the
+prediction is within :data:`EXPLORE_MAX_RATIO` of recompute): a wrong default corrects itself.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, Final
 
 from kvlease_vllm._verify import Reason
+
+#: Explore only pulls predicted at most this many times slower than recompute.
+EXPLORE_MAX_RATIO: Final = 10.0
 
 
 @dataclass(frozen=True)
@@ -21,10 +32,14 @@ class Decision:
     gain_tokens: int
     predicted_pull_s: float
     predicted_recompute_s: float
+    explored: bool = False  # a cost decline pulled anyway, to measure the pull rate
 
     def describe(self) -> str:
+        verdict = (
+            "pull (exploring: predicted slower)" if self.explored else "pull" if self.pull else "recompute"
+        )
         return (
-            f"{'pull' if self.pull else 'recompute'} ({self.reason.value}): gain={self.gain_tokens} tokens, "
+            f"{verdict} ({self.reason.value}): gain={self.gain_tokens} tokens, "
             f"predicted pull {self.predicted_pull_s * 1e3:.1f} ms vs recompute {self.predicted_recompute_s * 1e3:.1f} ms"
         )
 
@@ -45,7 +60,9 @@ class _Ewma:
 class CostModel:
     """Predicts pull and recompute times from observations.
 
-    ``bytes_per_token``: KV bytes one token occupies on this node (all layers).
+    ``bytes_per_token``: KV bytes one token occupies on this node (all layers);
+    ``descriptors_per_token``: NIXL descriptors vLLM posts per token (layers x K/V / block size);
+    ``per_descriptor_s``: the posting cost of one descriptor.
     """
 
     def __init__(
@@ -55,20 +72,35 @@ class CostModel:
         default_bandwidth_bps: float,
         default_prefill_tokens_per_s: float,
         fixed_latency_s: float,
+        descriptors_per_token: float = 0.0,
+        per_descriptor_s: float = 0.0,
+        explore_fraction: float = 0.0,
         alpha: float = 0.3,
     ) -> None:
         if bytes_per_token <= 0 or default_bandwidth_bps <= 0 or default_prefill_tokens_per_s <= 0:
             raise ValueError("bytes_per_token, bandwidth and prefill throughput must be positive")
+        if descriptors_per_token < 0 or per_descriptor_s < 0 or not 0 <= explore_fraction <= 1:
+            raise ValueError("descriptor costs must be >= 0 and explore_fraction in [0, 1]")
         self.bytes_per_token = bytes_per_token
         self.default_bandwidth_bps = default_bandwidth_bps
         self.default_prefill_tokens_per_s = default_prefill_tokens_per_s
         self.fixed_latency_s = fixed_latency_s
-        self._bw = _Ewma(alpha)
+        self.default_pull_s_per_token = (
+            descriptors_per_token * per_descriptor_s + bytes_per_token / default_bandwidth_bps
+        )
+        self._explore_every = round(1 / explore_fraction) if explore_fraction > 0 else 0
+        self._cost_declines = 0
+        self._spt = _Ewma(alpha)  # pull seconds per token, after the fixed cost
         self._tps = _Ewma(alpha)
 
     @property
+    def pull_s_per_token(self) -> float:
+        return self._spt.value if self._spt.value is not None else self.default_pull_s_per_token
+
+    @property
     def bandwidth_bps(self) -> float:
-        return self._bw.value if self._bw.value is not None else self.default_bandwidth_bps
+        """The effective pull rate in KV bytes per second (descriptor posting included)."""
+        return self.bytes_per_token / self.pull_s_per_token
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -77,15 +109,15 @@ class CostModel:
     @property
     def observations(self) -> tuple[int, int]:
         """(pull samples, prefill samples)."""
-        return self._bw.samples, self._tps.samples
+        return self._spt.samples, self._tps.samples
 
     def observe_pull(self, tokens: int, seconds: float) -> None:
         """A pull of ``tokens`` tokens took ``seconds`` (from the decision to the completed read)."""
         if tokens <= 0 or not math.isfinite(seconds) or seconds <= 0:
             return
-        # the fixed part is modelled separately; never let it drive the bandwidth to ~0
+        # the fixed part is modelled separately; never let it drive the rate to ~0
         transfer = max(seconds - self.fixed_latency_s, seconds * 0.1)
-        self._bw.add(tokens * self.bytes_per_token / transfer)
+        self._spt.add(transfer / tokens)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """``tokens`` prompt tokens were computed in ``seconds``."""
@@ -94,7 +126,7 @@ class CostModel:
         self._tps.add(tokens / seconds)
 
     def predict_pull_s(self, tokens: int) -> float:
-        return self.fixed_latency_s + tokens * self.bytes_per_token / self.bandwidth_bps
+        return self.fixed_latency_s + tokens * self.pull_s_per_token
 
     def predict_recompute_s(self, tokens: int) -> float:
         return tokens / self.prefill_tokens_per_s
@@ -107,5 +139,30 @@ class CostModel:
         if gain_tokens < threshold:
             return Decision(False, Reason.BELOW_THRESHOLD, gain_tokens, t_pull, t_rec)
         if not t_pull < t_rec:
+            self._cost_declines += 1
+            if (
+                self._explore_every
+                and self._cost_declines % self._explore_every == 0
+                and t_pull <= EXPLORE_MAX_RATIO * t_rec
+            ):
+                return Decision(True, Reason.PULL, gain_tokens, t_pull, t_rec, explored=True)
             return Decision(False, Reason.COST, gain_tokens, t_pull, t_rec)
         return Decision(True, Reason.PULL, gain_tokens, t_pull, t_rec)
+
+
+# ---- the layout's part of the defaults (duck-typed vLLM KVCacheConfig: no vLLM import) --------
+def descriptors_per_token(kv_cache_config: Any, block_size: int) -> float:
+    """NIXL descriptors vLLM's worker posts per token: one per (layer, K/V, block)."""
+    try:
+        layers = sum(len(g.layer_names) for g in kv_cache_config.kv_cache_groups)
+    except Exception:  # layouts we do not know: a 32-layer model
+        layers = 32
+    return 2.0 * max(layers, 1) / max(block_size, 1)
+
+
+def bytes_per_token(kv_cache_config: Any, block_size: int) -> float:
+    try:
+        total = sum(t.size for t in kv_cache_config.kv_cache_tensors)
+        return max(total / max(kv_cache_config.num_blocks, 1) / max(block_size, 1), 1.0)
+    except Exception:  # layouts we do not know: a conservative guess (bytes per token, bf16 7B)
+        return 131072.0

@@ -60,6 +60,10 @@ class Reason(str, enum.Enum):
     LEASE_GONE = "lease_gone"  # D no longer holds the lease (expired, released, read)
     CLAIM_FAILED = "claim_failed"  # D's control endpoint did not answer
     FAILED = "failed"  # the read itself failed; recomputed
+    BIDIRECTIONAL_OFF = "bidirectional_off"  # this node's bidirectional_kv_xfer is off
+    CONTEXT_PARALLEL = "context_parallel"  # decode/prefill context parallel > 1: not supported yet
+    HYBRID_PARTIAL = "hybrid_partial"  # several KV cache groups and only part of D's sequence verified
+    UNCOVERED = "uncovered_inputs"  # LoRA / multimodal / prompt embeddings the handle does not prove
 
 
 class HandleRejected(ValueError):
@@ -159,8 +163,14 @@ def handle_ext(
     lease_id: str,
     engine_id: str,
     control: str | None,
+    lora: str | None = None,
+    mm: str | None = None,
 ) -> LeaseHandleExt:
-    """D side: the ``kvlease`` object for a retained sequence of ``num_tokens`` computed tokens."""
+    """D side: the ``kvlease`` object for a retained sequence of ``num_tokens`` computed tokens.
+
+    ``lora`` / ``mm``: the request's LoRA adapter and multimodal digest (:mod:`kvlease_vllm._guards`),
+    what vLLM's own block hashes cover beyond tokens and salt.
+    """
     toks = token_ids[:num_tokens]
     hashes = tuple(block_hashes(toks, block_size, salt))
     full = len(hashes) * block_size
@@ -173,6 +183,8 @@ def handle_ext(
         lease_id=lease_id,
         engine_id=engine_id,
         control=control,
+        lora=lora,
+        mm=mm,
     )
 
 
@@ -209,10 +221,11 @@ def verified_tokens(
     return n * bs
 
 
-def trim_params(handle: RemoteHandle, tokens: int, *, pinned: bool = False) -> TransferParams:
+def trim_params(handle: RemoteHandle, tokens: int, *, deadline: float | None = None) -> TransferParams:
     """A new handle: ``handle`` cut to its first ``tokens`` verified tokens (vLLM's dict untouched).
 
-    ``pinned``: D pinned the lease for this read (a claim), so its deadline is dropped.
+    ``deadline``: D's absolute deadline after P's claim, for upstream's expired-read guard (None:
+    the deadline D issued stays).
     """
     params = handle.params
     if params is None:  # built by hand (tests): the fields P checked are all there is
@@ -227,7 +240,7 @@ def trim_params(handle: RemoteHandle, tokens: int, *, pinned: bool = False) -> T
             num_tokens=handle.num_tokens,
             kvlease=handle.ext,
         )
-    return params.trimmed(tokens, handle.ext.block_size, pinned=pinned)
+    return params.trimmed(tokens, handle.ext.block_size, deadline=deadline)
 
 
 def strip_remote(params: Mapping[str, Any]) -> dict[str, Any]:

@@ -2,13 +2,19 @@
 
 Load it with ``"kv_connector": "KVLeaseConnector", "kv_connector_module_path": "kvlease_vllm.connector"``.
 Only the scheduler side changes; the workers are upstream's (renewals and releases reach their
-expiry sweep as new deadlines in upstream's own ``reqs_to_send`` metadata).
+expiry sweep as new deadlines in upstream's own ``reqs_to_send`` metadata). D holds a leased
+request's blocks with its own block-pool reference (``kvlease.own_block_refs``), so the finished
+request leaves vLLM's scheduler at once and an idle engine stops stepping while leases are held;
+the workers' ``finished_sending`` for those ids drops the reference and never reaches the
+scheduler's own loop.
 
-Overridden (signatures pinned by a test against the installed vLLM):
-- connector: ``__init__``, ``bind_gpu_block_pool``, ``has_pending_block_frees``;
-- scheduler: ``get_num_new_matched_tokens`` (P: verify, decide, claim, trim), ``request_finished``
-  (D: lease + ``kvlease`` object), ``build_connector_meta`` (lease deadlines to workers, pressure
-  relief), ``update_connector_output`` (observations, freed leases), ``shutdown``.
+Overridden (signatures pinned by a test against the sources of vLLM 0.32 and 0.33):
+- connector: ``__init__`` (config checks that refuse at start-up), ``bind_gpu_block_pool``,
+  ``has_pending_block_frees``, ``supports_sleep_mode`` (0.33: refused, sleep discards leased KV);
+- scheduler: ``get_num_new_matched_tokens`` (P: verify, decide, claim), ``update_state_after_alloc``
+  (P: trim at the scheduler's final external token count), ``request_finished`` (D: lease +
+  ``kvlease`` object), ``build_connector_meta`` (lease deadlines to workers, pressure relief,
+  re-claims), ``update_connector_output`` (observations, freed leases), ``shutdown``.
 """
 
 from __future__ import annotations
@@ -23,15 +29,33 @@ from kvlease import __version__ as KVLEASE_VERSION
 from kvlease.protocol import KV, ControlInfo, PrefillReport, ReuseStatus, Role
 from kvlease_vllm import _control
 from kvlease_vllm._compat import (
+    NIXL_CONNECTOR_VERSION,
+    NIXL_VERSION,
+    PLATFORM_DEVICE_TYPE,
     VLLM_VERSION,
     KVConnectorRole,
     NixlConnector,
     NixlPullConnectorScheduler,
     init_logger,
 )
-from kvlease_vllm._config import KVLeaseConfig, normalize_extra_config, recompute_policy
-from kvlease_vllm._control import ControlServer, LeaseDesk
-from kvlease_vllm._cost import CostModel
+from kvlease_vllm._config import (
+    BIDIR_KEY,
+    KVLeaseConfig,
+    check_platform,
+    no_secret_warning,
+    normalize_extra_config,
+    recompute_policy,
+)
+from kvlease_vllm._control import ClaimResult, ControlServer, LeaseDesk
+from kvlease_vllm._cost import CostModel, bytes_per_token, descriptors_per_token
+from kvlease_vllm._guards import (
+    context_parallel_reason,
+    control_port,
+    hybrid_partial_reason,
+    lora_tag,
+    request_mm_digest,
+    uncovered_inputs,
+)
 from kvlease_vllm._metrics import ConnectorMetrics
 from kvlease_vllm._retention import RetentionTable
 from kvlease_vllm._verify import (
@@ -47,7 +71,7 @@ from kvlease_vllm._verify import (
 )
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+    from vllm.config import KVTransferConfig, VllmConfig
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -68,11 +92,15 @@ class _Pull:
 
     handle: RemoteHandle | None
     verified: int = 0  # verified tokens of the handle (whole blocks, maybe a partial last one)
-    claim: Future[float | None] | None = None
+    claim: Future[ClaimResult] | None = None
     started: float | None = None  # when (gain, True) was first returned
     tokens: int = 0
     outcome: Reason | None = None
-    pinned: bool = False  # D pinned the lease for this read (the claim succeeded)
+    local: int = 0  # P's own prefix-cache tokens when the pull was decided
+    deadline: float | None = None  # D's absolute deadline after the claim (D's clock)
+    claimed_at: float | None = None  # when the last claim succeeded (P's clock)
+    reclaim: Future[ClaimResult] | None = None
+    trimmed: bool = False  # the handle was cut to the scheduler's final count
 
     def report(self) -> PrefillReport:
         """P's reuse report for the router (``kvlease`` object of P's response params)."""
@@ -104,22 +132,34 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
             RetentionTable(cap, max_ttl=cfg.max_ttl_s, renew_guard=cfg.renew_guard_s), self.metrics
         )
         self.cost = CostModel(
-            bytes_per_token=_bytes_per_token(kv_cache_config, self.block_size),
+            bytes_per_token=bytes_per_token(kv_cache_config, self.block_size),
+            descriptors_per_token=descriptors_per_token(kv_cache_config, self.block_size),
             default_bandwidth_bps=cfg.default_pull_bandwidth_bps,
+            per_descriptor_s=cfg.pull_per_descriptor_s,
             default_prefill_tokens_per_s=cfg.default_prefill_tokens_per_s,
             fixed_latency_s=cfg.pull_fixed_latency_s,
+            explore_fraction=cfg.pull_explore_fraction,
         )
+        parallel = vllm_config.parallel_config
+        self.dp_index = int(parallel.data_parallel_index or 0)
+        self.context_parallel = (
+            int(parallel.decode_context_parallel_size or 1),
+            int(parallel.prefill_context_parallel_size or 1),
+        )
+        self.hybrid = bool(self._is_hma_required)
         self._pulls: dict[str, _Pull] = {}
         self._prefill_t0: dict[str, tuple[float, int]] = {}
         #: Blocks each waiting request asked about this step still needs (dropped once allocated):
         #: what is left at the end of the step could not get its blocks.
         self._waiting_blocks: dict[str, int] = {}
+        #: D: leased request -> the block ids it holds its own reference on (own_block_refs).
+        self._owned: dict[str, list[int]] = {}
         self._claims = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvlease-claim")
         self.control = ControlServer(
             self.desk,
             self._info,
             host=cfg.control_host,
-            port=cfg.control_port,
+            port=control_port(cfg.control_port, self.dp_index),
             secret=self.secret,
             max_ttl=cfg.max_ttl_s,
         ).start()
@@ -128,11 +168,16 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
         )
         self.control_url = self.control.url(advertise)
         logger.info(
-            "kvlease control endpoint on %s (auth %s); lease cap %d blocks",
+            "kvlease control endpoint on %s (data-parallel rank %d, auth %s); lease cap %d blocks",
             self.control_url,
+            self.dp_index,
             "on" if self.secret else "off: renew/release refused",
             cap,
         )
+        kv_role = vllm_config.kv_transfer_config.kv_role  # type: ignore[union-attr]
+        warning = no_secret_warning(cfg, self.secret, kv_role)
+        if warning:
+            logger.warning("kvlease: %s", warning)
 
     def _info(self) -> ControlInfo:
         kv_role = self.vllm_config.kv_transfer_config.kv_role  # type: ignore[union-attr]
@@ -148,6 +193,9 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
             recompute_threshold=int(self.kv_recompute_threshold),
             block_size=int(self.block_size),
             model=(model.served_model_name if model is not None else None),  # type: ignore[arg-type]
+            nixl_version=NIXL_VERSION,
+            connector_version=int(NIXL_CONNECTOR_VERSION),
+            data_parallel_index=self.dp_index,
         )
 
     # ------------------------------------------------------------------ P side
@@ -167,32 +215,43 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
             return 0, False
         pull = self._pulls.get(rid)
         if pull is None:
+            if not self.is_bidirectional_kv_xfer_enabled:
+                return self._decline(
+                    request,
+                    params,
+                    Reason.BIDIRECTIONAL_OFF,
+                    f"kv_connector_extra_config.{BIDIR_KEY} is off on this node, so it cannot read D's blocks",
+                )
             pull = self._pulls[rid] = self._plan(request, params, num_computed_tokens)
         if pull.handle is None:  # declined: the handle was stripped from params
             return 0, False
         if pull.claim is not None:
             if not pull.claim.done():
                 return None, False  # type: ignore[return-value]  # vLLM: "ask again next step"
-            left = _claim_result(pull.claim)
+            result, error = _claim_outcome(pull.claim)
             pull.claim = None
-            if not isinstance(left, float) or left < 1.0:
+            if result is None:
+                return self._decline(request, params, Reason.CLAIM_FAILED, error, warn=True)
+            if result.left is None:
                 return self._decline(
-                    request, params, Reason.CLAIM_FAILED if left is _FAILED else Reason.LEASE_GONE, str(left)
+                    request,
+                    params,
+                    Reason.LEASE_GONE,
+                    "D no longer holds the lease, or another reader claimed it",
                 )
-            # pinned on D for claim_hold_s: upstream's stale-deadline check must not veto the read
-            pull.pinned = True
+            if result.left < 1.0:
+                return self._decline(
+                    request, params, Reason.LEASE_GONE, f"D's lease has only {result.left:.2f} s left"
+                )
+            # pinned on D for claim_hold_s; its renewed deadline goes to upstream's expiry guard
+            pull.deadline, pull.claimed_at = result.deadline, time.perf_counter()
         gain = pull.verified - num_computed_tokens
         if gain <= 0:
             return self._decline(request, params, Reason.LOCAL_HIT, "P's prefix cache covers it")
         if pull.started is None:
-            # vLLM's connector API: upstream reads (and marks) the pull in the request's own
-            # kv_transfer_params dict. This is the one place the typed handle becomes that dict
-            # again: a fresh one, serialized from the trimmed handle; vLLM's dict is not edited.
-            trimmed = trim_params(pull.handle, pull.verified, pinned=pull.pinned)
-            request.kv_transfer_params = trimmed.to_json()
+            # The handle is trimmed once the scheduler's final count is known (update_state_after_alloc).
             pull.started, pull.tokens, pull.outcome = time.perf_counter(), gain, Reason.PULL
-            self.metrics.pull_decisions.labels(Reason.PULL.value).inc()
-            self.metrics.pulled_tokens.inc(gain)
+            pull.local = num_computed_tokens
             logger.info("kvlease %s: pulling %d verified tokens from %s", rid, gain, pull.handle.engine_id)
         return gain, True
 
@@ -212,27 +271,63 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
             return self._decline_plan(
                 request, params, e.reason, e.detail, warn=e.reason is not Reason.UNVERIFIABLE
             )
+        remote_dcp = handle.params.dcp_size if handle.params is not None else None
+        why = context_parallel_reason(
+            local_dcp=self.context_parallel[0], local_pcp=self.context_parallel[1], remote_dcp=remote_dcp
+        )
+        if why:
+            return self._decline_plan(request, params, Reason.CONTEXT_PARALLEL, why)
+        why = uncovered_inputs(
+            handle.ext,
+            lora=lora_tag(request.lora_request),
+            mm=request_mm_digest(request.mm_features, handle.ext.num_tokens),
+            prompt_embeds=request.prompt_embeds is not None,
+        )
+        if why:
+            return self._decline_plan(request, params, Reason.UNCOVERED, why)
         self.metrics.verified_tokens.inc(verified)
         self.metrics.trimmed_tokens.inc(max(handle.num_tokens - verified, 0))
         if verified == 0:
             return self._decline_plan(
                 request, params, Reason.MISMATCH, f"0 of {len(handle.ext.hashes)} blocks match"
             )
+        why = hybrid_partial_reason(
+            groups=len(self.kv_cache_config.transfer_groups),
+            hybrid=self.hybrid,
+            verified=verified,
+            remote_tokens=handle.num_tokens,
+        )
+        if why:
+            return self._decline_plan(request, params, Reason.HYBRID_PARTIAL, why)
         decision = self.cost.decide(verified - num_computed_tokens, self.kv_recompute_threshold)
         if not decision.pull:
             return self._decline_plan(request, params, decision.reason, decision.describe())
-        logger.debug("kvlease %s: %s", request.request_id, decision.describe())
+        (logger.info if decision.explored else logger.debug)(
+            "kvlease %s: %s", request.request_id, decision.describe()
+        )
         pull = _Pull(handle, verified)
         if self.cfg.claim and handle.ext.control:
-            pull.claim = self._claims.submit(
-                _control.claim,
-                handle.ext.control,
-                handle.request_id,
-                self.cfg.claim_hold_s,
-                self.secret,
-                self.cfg.claim_timeout_s,
-            )
+            if not self.secret:
+                return self._decline_plan(
+                    request,
+                    params,
+                    Reason.CLAIM_FAILED,
+                    "no control secret on this node, and D refuses unauthenticated claims",
+                )
+            pull.claim = self._submit_claim(handle, request.request_id)
         return pull
+
+    def _submit_claim(self, handle: RemoteHandle, claimant: str) -> Future[ClaimResult]:
+        assert handle.ext.control is not None
+        return self._claims.submit(
+            _control.claim,
+            handle.ext.control,
+            handle.request_id,
+            self.cfg.claim_hold_s,
+            self.secret,
+            self.cfg.claim_timeout_s,
+            claimant,
+        )
 
     def _decline(
         self, request: Request, params: dict[str, Any], reason: Reason, detail: str, *, warn: bool = False
@@ -271,28 +366,86 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
         blocks = sum(len(g) for g in out.get(KV.REMOTE_BLOCK_IDS) or ())
         if not isinstance(deadline, float):
             return delay, out
+        if request.prompt_embeds is not None:
+            # no identity to prove: an upstream handle without a kvlease object (P never pulls it)
+            logger.info("kvlease %s: prompt embeddings; KV not leased", rid)
+            return delay, out
         result = self.desk.add(rid, blocks, deadline)
         if not result.retained:
             self._reqs_need_send[rid] = time.perf_counter()  # free at the next worker sweep
             self.metrics.releases.labels("not_retained").inc()
             logger.info("kvlease %s: %d blocks over the retention cap; not retained", rid, blocks)
             return delay, None
+        num_tokens = int(out.get(KV.REMOTE_NUM_TOKENS) or 0)
         ext = handle_ext(
             token_ids=request.all_token_ids,
-            num_tokens=int(out.get(KV.REMOTE_NUM_TOKENS) or 0),
+            num_tokens=num_tokens,
             block_size=self.block_size,
             salt=request.cache_salt,
             lease_id=rid,
             engine_id=self.engine_id,
             control=self.control_url,
+            lora=lora_tag(request.lora_request),
+            mm=request_mm_digest(request.mm_features, num_tokens),
         )
         if self.secret:  # the MAC covers the routing fields of upstream's dict and the object
             ext = replace(ext, mac=handle_mac(self.secret, {**out, KV.KVLEASE: ext.to_json()}))
+        if self.cfg.own_block_refs and self.block_pool is not None:
+            delay = self._own_blocks(rid, out.get(KV.REMOTE_BLOCK_IDS) or ())
         return delay, {**out, KV.KVLEASE: ext.to_json()}
+
+    def _own_blocks(self, rid: str, groups: Any) -> bool:
+        """Take our own reference on the blocks P may read (upstream hands out only those), so the
+        request's delayed free is not needed; returns the ``delay_free_blocks`` for vLLM (False)."""
+        assert self.block_pool is not None
+        ids = list(dict.fromkeys(int(b) for g in groups for b in g))  # one reference per block
+        self.block_pool.touch([self.block_pool.blocks[i] for i in ids])
+        self._owned[rid] = ids
+        return False
+
+    def _free_owned(self, rid: str) -> None:
+        ids = self._owned.pop(rid)
+        if self.block_pool is not None:  # tail first, so the shared prefix is evicted last
+            self.block_pool.free_blocks(self.block_pool.blocks[i] for i in reversed(ids))
 
     def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
         self._waiting_blocks.pop(request.request_id, None)
+        pull = self._pulls.get(request.request_id)
+        if pull is not None and pull.handle is not None and pull.started is not None and not pull.trimmed:
+            self._trim_final(request, pull, num_external_tokens)
         super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def _trim_final(self, request: Request, pull: _Pull, num_external_tokens: int) -> None:
+        """Cut the handle to the scheduler's final external count (0.33's ``cap_external_hit`` and
+        the prefix-replay truncation may lower it after ``get_num_new_matched_tokens``)."""
+        assert pull.handle is not None
+        pull.trimmed = True
+        rid = request.request_id
+        params = request.kv_transfer_params or {}
+        if num_external_tokens <= 0:
+            self._decline(request, params, Reason.LOCAL_HIT, "the scheduler kept none of the pulled tokens")
+            return
+        if num_external_tokens < pull.tokens:
+            logger.info(
+                "kvlease %s: the scheduler lowered the pull from %d to %d tokens",
+                rid,
+                pull.tokens,
+                num_external_tokens,
+            )
+            if self.hybrid or len(self.kv_cache_config.transfer_groups) > 1:
+                logger.warning(
+                    "kvlease %s: hybrid KV cache and a shortened pull; sliding-window layers may "
+                    "not line up (the read proceeds: the scheduler already counts these tokens)",
+                    rid,
+                )
+        pull.tokens = num_external_tokens
+        # vLLM's connector API: upstream reads (and marks) the pull in the request's own
+        # kv_transfer_params dict. This is the one place the typed handle becomes that dict
+        # again: a fresh one, serialized from the trimmed handle; vLLM's dict is not edited.
+        trimmed = trim_params(pull.handle, pull.local + num_external_tokens, deadline=pull.deadline)
+        request.kv_transfer_params = trimmed.to_json()
+        self.metrics.pull_decisions.labels(Reason.PULL.value).inc()
+        self.metrics.pulled_tokens.inc(num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
         # The first waiting request that got no blocks this step heads the queue (FCFS): free what it
@@ -301,7 +454,29 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
         self._waiting_blocks.clear()
         self._relieve_pressure(need=head)
         self._reqs_need_send.update(self.desk.take_updates())
+        self._reclaim_waiting(time.perf_counter())
         return super().build_connector_meta(scheduler_output)
+
+    def _reclaim_waiting(self, now: float) -> None:
+        """P: renew the claim of every read still waiting past half the claim hold."""
+        for rid, pull in self._pulls.items():
+            if pull.reclaim is not None and pull.reclaim.done():
+                result, error = _claim_outcome(pull.reclaim)
+                pull.reclaim = None
+                if result is None or result.left is None:
+                    logger.warning(
+                        "kvlease %s: re-claim refused while the read waits: %s", rid, error or "lease gone"
+                    )
+                else:
+                    pull.claimed_at = now
+            waiting = pull.started is not None and pull.started >= 0 and pull.claimed_at is not None
+            if (
+                waiting
+                and pull.reclaim is None
+                and pull.handle is not None
+                and now - pull.claimed_at >= self.cfg.claim_hold_s / 2  # type: ignore[operator]
+            ):
+                pull.reclaim = self._submit_claim(pull.handle, rid)
 
     def _relieve_pressure(self, emergency: bool = False, need: int = 0) -> list[str]:
         leases, _ = self.desk.snapshot()
@@ -310,14 +485,23 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
         total = self.kv_cache_config.num_blocks
         target = total if emergency else max(math.ceil(self.cfg.min_free_fraction * total), need)
         short = target - self.block_pool.get_num_free_blocks() - self.desk.releasing_blocks()
-        released = self.desk.relieve(short) if short > 0 else []
+        # an allocation failure frees one lease (the oldest unpinned) per failure, not all of them
+        released = self.desk.relieve(short, limit=1 if emergency else None) if short > 0 else []
         if released:
             logger.info("kvlease: KV cache pressure, released %d leases early", len(released))
         return released
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         super().update_connector_output(connector_output)
-        self.desk.forget(connector_output.finished_sending or set())
+        sent = connector_output.finished_sending or set()
+        self.desk.forget(sent)
+        owned = [rid for rid in sent if rid in self._owned]
+        if owned:
+            # read, expired or released: drop our reference; the scheduler no longer knows these
+            # requests (it freed them at finish), so they must not reach its finished_sending loop
+            for rid in owned:
+                self._free_owned(rid)
+            connector_output.finished_sending = set(sent).difference(owned)
         failed = connector_output.failed_recving or set()
         now = time.perf_counter()
         for rid in connector_output.finished_recving or ():
@@ -349,13 +533,24 @@ class KVLeaseConnector(NixlConnector):  # type: ignore[misc,valid-type]
         cfg, warnings = normalize_extra_config(ktc.kv_connector_extra_config)
         for w in warnings:
             logger.warning("kvlease: %s", w)
-        policy, warning = recompute_policy(ktc.kv_load_failure_policy)
+        check_platform(
+            device_type=PLATFORM_DEVICE_TYPE,
+            kv_buffer_device=ktc.kv_buffer_device,
+            bidirectional=bool(ktc.kv_connector_extra_config.get(BIDIR_KEY, False)),
+        )
+        policy, warning = recompute_policy(ktc.kv_load_failure_policy, ktc.kv_role)
         if warning and role == KVConnectorRole.SCHEDULER:
             logger.warning("kvlease: %s", warning)
         ktc.kv_load_failure_policy = policy
         super().__init__(vllm_config, role, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = KVLeaseScheduler(vllm_config, self.engine_id, kv_cache_config, cfg)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        """Refused (vLLM 0.33 asks; 0.32 has no such hook): sleep discards the KV cache while D
+        still advertises leases on it, and P would read freed or foreign blocks."""
+        return False
 
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
         super().bind_gpu_block_pool(gpu_block_pool)
@@ -372,20 +567,9 @@ class KVLeaseConnector(NixlConnector):  # type: ignore[misc,valid-type]
         return bool(sched._relieve_pressure(emergency=True))
 
 
-_FAILED: Any = object()
-
-
-def _claim_result(fut: Future[float | None]) -> Any:
+def _claim_outcome(fut: Future[ClaimResult]) -> tuple[ClaimResult | None, str]:
+    """The claim's result, or None and why it failed (in words, for the decline's log line)."""
     try:
-        return fut.result()
+        return fut.result(), ""
     except Exception as e:
-        logger.warning("kvlease: claim at the decode node failed: %s", e)
-        return _FAILED
-
-
-def _bytes_per_token(kv_cache_config: KVCacheConfig, block_size: int) -> float:
-    try:
-        total = sum(t.size for t in kv_cache_config.kv_cache_tensors)
-        return max(total / max(kv_cache_config.num_blocks, 1) / max(block_size, 1), 1.0)
-    except Exception:  # layouts we do not know: a conservative guess (bytes per token, bf16 7B)
-        return 131072.0
+        return None, f"D's control endpoint did not answer the claim ({type(e).__name__}: {e})"

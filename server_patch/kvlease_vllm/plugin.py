@@ -17,6 +17,10 @@ modules, not the connector's vLLM surface in ``kvlease_vllm._compat`` (which pul
 engine and worker processes that vLLM starts fresh, this imports the serving modules once (about
 0.5 s at start-up); they are unused there.
 
+vLLM 0.33 streams ``kv_transfer_params`` in the final chunk itself (the chat and completion
+serving code), so from 0.33 on the plugin steps aside and patches nothing
+(:func:`kvlease_vllm._config.streams_handles_natively`).
+
 Safety: outside the supported vLLM range the plugin does nothing. Before patching, the targets are
 checked (class and method present, an async generator function, parameters ``request`` and
 ``result_generator``; ``num_prompts`` for text completions). On any mismatch the plugin logs a
@@ -35,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvlease_vllm._config import check_vllm_version
+from kvlease_vllm._config import check_vllm_version, streams_handles_natively
 from kvlease_vllm._plugin_stream import ResultTap, annotate_final_chunk
 
 __all__ = ["TARGETS", "PatchTarget", "apply", "is_patched", "register"]
@@ -91,9 +95,13 @@ def register() -> None:
     import or to verify a target is logged and that target is skipped.
     """
     try:
-        check_vllm_version(str(getattr(importlib.import_module("vllm"), "__version__", "")))
+        version = str(getattr(importlib.import_module("vllm"), "__version__", ""))
+        check_vllm_version(version)
     except Exception as e:
         logger.warning("kvlease plugin: %s; streams stay stock", e)
+        return
+    if streams_handles_natively(version):
+        logger.info("kvlease plugin: vLLM %s streams kv_transfer_params itself; nothing to patch", version)
         return
     apply(TARGETS)
 

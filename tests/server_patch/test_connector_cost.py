@@ -41,7 +41,8 @@ def test_decide(gain: int, threshold: int, over: dict[str, float], pull: bool, r
 
 def test_defaults_until_first_observation_then_online() -> None:
     m = model()
-    assert m.bandwidth_bps == 1e9 and m.prefill_tokens_per_s == 4000.0 and m.observations == (0, 0)
+    assert m.bandwidth_bps == pytest.approx(1e9) and m.prefill_tokens_per_s == 4000.0
+    assert m.observations == (0, 0)
     m.observe_prefill(2000, 0.2)  # 10k tok/s
     assert m.prefill_tokens_per_s == pytest.approx(10000.0)
     m.observe_pull(1000, 0.005 + 4096 * 1000 / 2e8)  # 200 MB/s after the fixed latency
@@ -73,3 +74,86 @@ def test_bad_observations_are_ignored(tokens: int, seconds: float) -> None:
 def test_bad_defaults_rejected() -> None:
     with pytest.raises(ValueError):
         model(bytes_per_token=0)
+
+
+# An 8B-class GQA model: 32 layers x (K, V) x 8 KV heads x 128 dims x bf16, 16-token blocks.
+LAYERS, BLOCK = 32, 16
+BYTES_8B = LAYERS * 2 * 8 * 128 * 2
+
+
+def gpu_default_model(prefill_tps: float | None = None) -> CostModel:
+    from kvlease_vllm._config import KVLeaseConfig
+
+    cfg = KVLeaseConfig()
+    m = CostModel(
+        bytes_per_token=BYTES_8B,
+        descriptors_per_token=2 * LAYERS / BLOCK,
+        default_bandwidth_bps=cfg.default_pull_bandwidth_bps,
+        per_descriptor_s=cfg.pull_per_descriptor_s,
+        default_prefill_tokens_per_s=cfg.default_prefill_tokens_per_s,
+        fixed_latency_s=cfg.pull_fixed_latency_s,
+        explore_fraction=cfg.pull_explore_fraction,
+    )
+    if prefill_tps is not None:
+        for _ in range(10):
+            m.observe_prefill(int(prefill_tps), 1.0)  # learned from recomputes
+    return m
+
+
+@pytest.mark.parametrize("gain", [1024, 4096, 24576])
+def test_8b_gqa_on_an_h200_class_prefill_pulls_with_default_settings(gain: int) -> None:
+    m = gpu_default_model(prefill_tps=15_000)
+    d = m.decide(gain, 64)
+    assert d.pull and d.reason is Reason.PULL and not d.explored, d.describe()
+
+
+def test_defaults_reproduce_the_h200_measurement() -> None:
+    """benchmarks/gpu_nixl_pull.json: 196,608 descriptors (24k tokens, 64 layers) in ~636 ms."""
+    m = CostModel(
+        bytes_per_token=64 * 2 * 8 * 128 * 2,
+        descriptors_per_token=2 * 64 / 16,
+        default_bandwidth_bps=750e9,
+        per_descriptor_s=3.2e-6,
+        default_prefill_tokens_per_s=4000.0,
+        fixed_latency_s=0.005,
+    )
+    assert m.predict_pull_s(24_576) == pytest.approx(0.6359, rel=0.05)
+
+
+def test_exploration_tries_a_small_fraction_of_cost_declines() -> None:
+    m = model(default_bandwidth_bps=1e7, explore_fraction=0.1)  # pulls look slower than recompute
+    decisions = [m.decide(1024, 64) for _ in range(30)]
+    explored = [d for d in decisions if d.pull]
+    assert len(explored) == 3 and all(d.explored and d.reason is Reason.PULL for d in explored)
+    assert "exploring" in explored[0].describe()
+    assert all(d.reason is Reason.COST for d in decisions if not d.pull)
+
+
+def test_exploration_corrects_a_wrong_default() -> None:
+    m = model(default_bandwidth_bps=1e7, explore_fraction=0.5)
+    assert not m.decide(1024, 64).pull
+    assert m.decide(1024, 64).explored  # tried ...
+    m.observe_pull(1024, 0.005 + 0.01)  # ... and fast in reality
+    d = m.decide(1024, 64)
+    assert d.pull and not d.explored
+
+
+def test_no_exploration_of_hopeless_pulls() -> None:
+    m = model(default_bandwidth_bps=1e5, explore_fraction=1.0)  # ~40 s pull vs 0.26 s recompute
+    assert not any(m.decide(1024, 64).pull for _ in range(5))
+
+
+def test_layout_helpers_from_a_kv_cache_config() -> None:
+    from types import SimpleNamespace
+
+    from kvlease_vllm._cost import bytes_per_token, descriptors_per_token
+
+    blocks = 1000
+    cfg = SimpleNamespace(
+        kv_cache_groups=[SimpleNamespace(layer_names=[f"l{i}" for i in range(LAYERS)])],
+        kv_cache_tensors=[SimpleNamespace(size=BYTES_8B * BLOCK * blocks)],
+        num_blocks=blocks,
+    )
+    assert descriptors_per_token(cfg, BLOCK) == 2 * LAYERS / BLOCK
+    assert bytes_per_token(cfg, BLOCK) == BYTES_8B
+    assert descriptors_per_token(object(), BLOCK) == 2 * 32 / BLOCK  # unknown layouts: a guess

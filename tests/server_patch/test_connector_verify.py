@@ -174,8 +174,9 @@ def test_trim_keeps_every_other_field_and_pins() -> None:
         KV.REMOTE_BLOCK_IDS: [[100, 101, 102, 103]],
         KV.REMOTE_NUM_TOKENS: 4 * BS,
     }
-    pinned = trim_params(handle, 4 * BS, pinned=True).to_json()
-    assert KV.REMOTE_BLOCKS_EXPIRY_TIME in pinned and pinned[KV.REMOTE_BLOCKS_EXPIRY_TIME] is None
+    # after a claim, D's renewed absolute deadline replaces the issued one: upstream's guard stays on
+    pinned = trim_params(handle, 4 * BS, deadline=12345.5).to_json()
+    assert pinned[KV.REMOTE_BLOCKS_EXPIRY_TIME] == 12345.5
     # the trimmed handle still carries D's MAC'd kvlease object unchanged
     assert pinned[KV.KVLEASE] == original[KV.KVLEASE]
 

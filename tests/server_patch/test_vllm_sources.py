@@ -30,6 +30,8 @@ CONNECTOR = Path(__file__).resolve().parents[2] / "server_patch" / "kvlease_vllm
 OURS = {"KVLeaseScheduler": "NixlPullConnectorScheduler", "KVLeaseConnector": "NixlConnector"}
 #: Names the connector binds to vLLM's ``Request`` objects.
 REQUEST_NAMES = {"request", "req"}
+#: Overrides of hooks that only newer vLLMs have (older ones never call them): hook -> first version.
+SINCE = {"KVLeaseConnector.supports_sleep_mode": (0, 33)}
 
 
 @dataclass
@@ -140,6 +142,8 @@ def ours() -> dict[str, ast.ClassDef]:
 def upstream(request: pytest.FixtureRequest) -> ClassIndex:
     root = vllm_source(request.param) / "vllm"
     index = ClassIndex()
+    index.version = tuple(int(x) for x in request.param.split(".")[:2])  # type: ignore[attr-defined]
+    index.root = root  # type: ignore[attr-defined]
     for path in sorted((root / "distributed" / "kv_transfer" / "kv_connector" / "v1").rglob("*.py")):
         index.add(path)
     index.add(root / "v1" / "request.py")
@@ -156,6 +160,8 @@ def test_overrides_match_upstream_signatures(ours: dict[str, ast.ClassDef], upst
                 continue
             base = next((_methods(c)[meth] for c in chain if meth in _methods(c)), None)
             if base is None:
+                if upstream.version < SINCE.get(f"{name}.{meth}", (0, 0)):  # type: ignore[attr-defined]
+                    continue  # a hook this vLLM does not have (nor call)
                 missing.append(f"{name}.{meth}")
                 continue
             checked.append(f"{name}.{meth}")
@@ -199,3 +205,69 @@ def test_checker_catches_a_renamed_attribute(upstream: ClassIndex) -> None:
     assert isinstance(node, ast.ClassDef)
     have = _defined([node, *upstream.chain("NixlPullConnectorScheduler")])
     assert _reads(node, {"self"}) - have == {"no_such_attr"}
+
+
+def _class_fields(path: Path, name: str) -> set[str]:
+    index = ClassIndex()
+    index.add(path)
+    return _defined(index.chain(name))
+
+
+def test_supports_sleep_mode_refused_where_upstream_asks(
+    ours: dict[str, ast.ClassDef], upstream: ClassIndex
+) -> None:
+    """0.33 asks the connector class whether it supports sleep (config/vllm.py) and NixlConnector
+    answers True for UCX: kvlease overrides it, same signature, a classmethod answering False."""
+    mine = _methods(ours["KVLeaseConnector"])["supports_sleep_mode"]
+    assert any(isinstance(d, ast.Name) and d.id == "classmethod" for d in mine.decorator_list)
+    returns = [n for n in ast.walk(mine) if isinstance(n, ast.Return)]
+    assert [ast.literal_eval(r.value) for r in returns if r.value is not None] == [False]
+    chain = upstream.chain("NixlConnector")
+    base = next(
+        (_methods(c)["supports_sleep_mode"] for c in chain if "supports_sleep_mode" in _methods(c)), None
+    )
+    if upstream.version < (0, 33):  # type: ignore[attr-defined]
+        assert base is None  # 0.32 never asks
+        return
+    assert base is not None and _params(base) == _params(mine)
+    asks = (upstream.root / "config" / "vllm.py").read_text()  # type: ignore[attr-defined]
+    assert "supports_sleep_mode(self.kv_transfer_config)" in asks
+
+
+def test_vllm_config_fields_the_connector_reads(upstream: ClassIndex) -> None:
+    """``vllm_config.parallel_config`` / ``kv_transfer_config`` fields read at construction, the
+    Request's LoRA / multimodal fields kvlease folds into verification, and the module-level names
+    ``_compat`` imports, exist in this vLLM."""
+    root: Path = upstream.root  # type: ignore[attr-defined]
+    parallel = _class_fields(root / "config" / "parallel.py", "ParallelConfig")
+    assert {
+        "data_parallel_index",
+        "decode_context_parallel_size",
+        "prefill_context_parallel_size",
+    } <= parallel
+    ktc = _class_fields(root / "config" / "kv_transfer.py", "KVTransferConfig")
+    assert {"kv_buffer_device", "kv_role", "kv_load_failure_policy", "kv_connector_extra_config"} <= ktc
+    mm = _class_fields(root / "multimodal" / "inputs.py", "MultiModalFeatureSpec")
+    assert {"identifier", "mm_position"} <= mm
+    lora = _class_fields(root / "lora" / "request.py", "LoRARequest")
+    assert {"lora_name", "lora_int_id"} <= lora
+    meta = (root / "distributed" / "kv_transfer" / "kv_connector" / "v1" / "nixl" / "metadata.py").read_text()
+    assert "\nNIXL_CONNECTOR_VERSION: int = " in meta
+    assert "current_platform" in (root / "platforms" / "__init__.py").read_text()
+    assert "device_type" in _class_fields(root / "platforms" / "interface.py", "Platform")
+    sched = upstream.chain("NixlPullConnectorScheduler")
+    assert {"_is_hma_required", "use_host_buffer", "side_channel_port"} <= _defined(sched)
+
+
+def test_block_pool_api_for_own_block_references(upstream: ClassIndex) -> None:
+    """D holds leased blocks with its own reference (``own_block_refs``): ``BlockPool.touch`` /
+    ``free_blocks`` / ``blocks`` and ``KVConnectorOutput.finished_sending`` (rewritten before the
+    scheduler's loop, which asserts on ids it no longer knows) exist in this vLLM."""
+    root: Path = upstream.root  # type: ignore[attr-defined]
+    pool = _class_fields(root / "v1" / "core" / "block_pool.py", "BlockPool")
+    assert {"touch", "free_blocks", "blocks", "get_num_free_blocks"} <= pool
+    assert "finished_sending" in _class_fields(root / "v1" / "outputs.py", "KVConnectorOutput")
+    sched = (root / "v1" / "core" / "sched" / "scheduler.py").read_text()
+    # the scheduler hands the output to the connector before it frees finished_sending requests
+    i = sched.index("self.connector.update_connector_output(kv_connector_output)")
+    assert sched.index("for req_id in kv_connector_output.finished_sending or ():", i) > i

@@ -23,7 +23,7 @@ CACHE_SALT: Final = "cache_salt"
 
 
 class KV:
-    """Field names inside vLLM's ``kv_transfer_params`` (NixlConnector, vLLM 0.32)."""
+    """Field names inside vLLM's ``kv_transfer_params`` (NixlConnector, vLLM 0.32 and 0.33)."""
 
     DO_REMOTE_DECODE: Final = "do_remote_decode"
     DO_REMOTE_PREFILL: Final = "do_remote_prefill"
@@ -37,6 +37,9 @@ class KV:
     TP_SIZE: Final = "tp_size"
     DCP_SIZE: Final = "dcp_size"
     PP_SIZE: Final = "pp_size"
+    REMOTE_BLOCK_SIZE: Final = "remote_block_size"  # D's block size (upstream reads it on P)
+    #: vLLM 0.33 (NIXL connector version 15): D's KV registration generation (bumped on re-register).
+    REMOTE_REGISTRATION_GENERATION: Final = "remote_registration_generation"
     KVLEASE: Final = "kvlease"  # the sub-object the kvlease connector adds and reads
 
 
@@ -106,6 +109,24 @@ def common_prefix_blocks(ours: Sequence[str], theirs: Sequence[str]) -> int:
 #: over the handle's routing fields and the rest of the ``kvlease`` object, keyed by the shared
 #: control secret. P refuses a handle whose MAC is missing or wrong (a client edited it).
 LEASE_HANDLE_MAC: Final = "mac"
+#: Keys of the LoRA adapter and the multimodal digest in the ``kvlease`` object (see LeaseHandleExt).
+LEASE_HANDLE_LORA: Final = "lora"
+LEASE_HANDLE_MM: Final = "mm"
+_MM_DOMAIN: Final = b"kvlease/mm/v1"
+
+
+def mm_digest(features: Sequence[tuple[int, int, str]]) -> str | None:
+    """Digest of multimodal features ``(offset, length, identifier)`` (vLLM's ``mm_hash``), or None.
+
+    Order-independent over the features given; ``None`` for none. Two sequences with equal tokens
+    and equal digests carry the same images/audio at the same placeholder positions.
+    """
+    if not features:
+        return None
+    h = hashlib.sha256(_MM_DOMAIN)
+    for offset, length, ident in sorted(features):
+        h.update(f"{offset}:{length}:{len(ident)}:".encode() + ident.encode("utf-8", "replace"))
+    return h.digest()[:BLOCK_HASH_BYTES].hex()
 
 
 @dataclass(frozen=True)
@@ -114,10 +135,14 @@ class LeaseHandleExt:
 
     JSON: ``{"v": 1, "block_size": 16, "num_tokens": 1234, "hashes": ["<32 hex>", ...],
     "tail": "<32 hex>" | null, "lease_id": "<D's request id>", "engine_id": "...",
-    "control": "http://host:port" | null, "mac": "<64 hex>"}`` (``mac`` only when D has a secret).
+    "control": "http://host:port" | null, "lora": "<adapter>", "mm": "<32 hex>", "mac": "<64 hex>"}``
+    (``mac`` only when D has a secret; ``lora`` / ``mm`` only when D's request had a LoRA adapter /
+    multimodal features).
     ``hashes`` cover the full blocks of D's retained sequence (prompt + generated tokens); ``tail``
     (optional, :func:`tail_hash`) its partial last block, when ``num_tokens`` is not a multiple of
-    ``block_size``. A reader that does not know ``tail`` simply pulls whole blocks only. ``mac``:
+    ``block_size``. A reader that does not know ``tail`` simply pulls whole blocks only. ``lora``:
+    the LoRA adapter D computed the KV with (``name#id``); ``mm``: :func:`mm_digest` of D's
+    multimodal features (what vLLM's own block hashes cover beyond tokens and salt). ``mac``:
     :func:`handle_mac` over the whole handle (see :data:`LEASE_HANDLE_MAC`).
     """
 
@@ -130,6 +155,8 @@ class LeaseHandleExt:
     version: int = PROTOCOL_VERSION
     tail: str | None = None
     mac: str | None = None
+    lora: str | None = None
+    mm: str | None = None
 
     MAX_BLOCKS: ClassVar[int] = 1 << 20
 
@@ -144,6 +171,10 @@ class LeaseHandleExt:
             "engine_id": self.engine_id,
             "control": self.control,
         }
+        if self.lora is not None:
+            out[LEASE_HANDLE_LORA] = self.lora
+        if self.mm is not None:
+            out[LEASE_HANDLE_MM] = self.mm
         if self.mac is not None:
             out[LEASE_HANDLE_MAC] = self.mac
         return out
@@ -180,6 +211,12 @@ class LeaseHandleExt:
         mac = data.get(LEASE_HANDLE_MAC)
         if mac is not None and not isinstance(mac, str):
             raise ProtocolError("kvlease.mac must be a hex string")
+        lora = data.get(LEASE_HANDLE_LORA)
+        if lora is not None and (not isinstance(lora, str) or not lora or len(lora) > _MAX_ID_LEN):
+            raise ProtocolError("kvlease.lora must be a non-empty string")
+        mm = data.get(LEASE_HANDLE_MM)
+        if mm is not None and (not isinstance(mm, str) or len(mm) != 2 * BLOCK_HASH_BYTES):
+            raise ProtocolError("kvlease.mm must be a 32-character hex string")
         return cls(
             block_size=bs,
             num_tokens=nt,
@@ -190,6 +227,8 @@ class LeaseHandleExt:
             version=PROTOCOL_VERSION,
             tail=tail,
             mac=mac,
+            lora=lora,
+            mm=mm,
         )
 
 
@@ -278,6 +317,8 @@ class TransferParams:
     tp_size: int | None = None
     dcp_size: int | None = None
     pp_size: int | None = None
+    remote_block_size: int | None = None
+    registration_generation: int | None = None  # vLLM 0.33
     kvlease: LeaseHandleExt | None = None
     nulls: frozenset[str] = frozenset()
     extra: tuple[tuple[str, Any], ...] = ()
@@ -337,6 +378,14 @@ class TransferParams:
             v = fields.get(key)
             if key in nulls or (v is not None and (not _is_int(v) or not 1 <= v <= _MAX_PARALLEL)):
                 raise ProtocolError(f"{key} must be an integer in [1, {_MAX_PARALLEL}], got {v!r}")
+        rbs = fields.get("remote_block_size")
+        if KV.REMOTE_BLOCK_SIZE in nulls or (
+            rbs is not None and (not _is_int(rbs) or not 1 <= rbs <= 1 << 16)
+        ):
+            raise ProtocolError(f"{KV.REMOTE_BLOCK_SIZE} must be an integer in [1, 65536], got {rbs!r}")
+        gen = fields.get("registration_generation")
+        if gen is not None and (not _is_int(gen) or not 0 <= gen < 1 << 63):
+            raise ProtocolError(f"{KV.REMOTE_REGISTRATION_GENERATION} must be a non-negative integer")
         nt = fields.get("num_tokens")
         if nt is not None and (not _is_int(nt) or not 0 <= nt <= 1 << 31):
             raise ProtocolError(f"{KV.REMOTE_NUM_TOKENS} must be a non-negative integer")
@@ -353,6 +402,8 @@ class TransferParams:
                 raise ProtocolError(f"{KV.REMOTE_ENGINE_ID} does not match kvlease.engine_id")
             if fields.get("request_id", ext.lease_id) != ext.lease_id:
                 raise ProtocolError(f"{KV.REMOTE_REQUEST_ID} does not match kvlease.lease_id")
+            if rbs is not None and rbs != ext.block_size:
+                raise ProtocolError(f"{KV.REMOTE_BLOCK_SIZE} {rbs} does not match kvlease.block_size")
         return cls(**fields, nulls=frozenset(nulls), extra=tuple(extra))
 
     # ---- new handles from this one (the wire dict is never edited in place) ------------------
@@ -360,17 +411,18 @@ class TransferParams:
         """This handle as a router offers it to P: flagged for a pull from D."""
         return replace(self, do_remote_decode=True, do_remote_prefill=False)
 
-    def trimmed(self, tokens: int, block_size: int, *, pinned: bool = False) -> TransferParams:
+    def trimmed(self, tokens: int, block_size: int, *, deadline: float | None = None) -> TransferParams:
         """The handle cut to its first ``tokens`` (verified) tokens: the blocks that hold them.
 
-        ``pinned``: D pinned the lease for this read (a claim), so its stale deadline goes
-        (sent as ``null``: vLLM's own deadline check must not veto the read).
+        ``deadline``: D's absolute deadline after P's claim (D's clock, as upstream's
+        ``remote_blocks_expiry_time`` is): it replaces the deadline D issued, so upstream's own
+        expired-read guard stays on and sees the renewed lease.
         """
         n_blocks = -(-tokens // block_size)
         groups = tuple(g[:n_blocks] for g in self.block_ids or ())
         out = replace(self, block_ids=groups, num_tokens=tokens)
-        if pinned:
-            out = replace(out, expiry=None, nulls=out.nulls | {KV.REMOTE_BLOCKS_EXPIRY_TIME})
+        if deadline is not None:
+            out = replace(out, expiry=deadline, nulls=out.nulls - {KV.REMOTE_BLOCKS_EXPIRY_TIME})
         return out
 
 
@@ -388,6 +440,8 @@ _ATTR: Final[dict[str, str]] = {
     KV.TP_SIZE: "tp_size",
     KV.DCP_SIZE: "dcp_size",
     KV.PP_SIZE: "pp_size",
+    KV.REMOTE_BLOCK_SIZE: "remote_block_size",
+    KV.REMOTE_REGISTRATION_GENERATION: "registration_generation",
     KV.KVLEASE: "kvlease",
 }
 
@@ -420,6 +474,9 @@ _MAC_FIELDS: Final = (
     KV.REMOTE_NUM_TOKENS,
     *PARALLEL_FIELDS,
 )
+#: Covered only when present (so handles of a vLLM without them keep their MAC): D's block size,
+#: and vLLM 0.33's registration generation (which tells P's worker to re-handshake after a sleep).
+_MAC_FIELDS_IF_PRESENT: Final = (KV.REMOTE_BLOCK_SIZE, KV.REMOTE_REGISTRATION_GENERATION)
 
 
 def handle_mac(secret: str, params: Mapping[str, Any] | TransferParams) -> str:
@@ -431,6 +488,7 @@ def handle_mac(secret: str, params: Mapping[str, Any] | TransferParams) -> str:
     wire = params.to_json() if isinstance(params, TransferParams) else params
     ext = wire.get(KV.KVLEASE)
     body = {k: wire.get(k) for k in _MAC_FIELDS}
+    body.update({k: wire[k] for k in _MAC_FIELDS_IF_PRESENT if k in wire})
     body[KV.KVLEASE] = (
         {k: v for k, v in ext.items() if k != LEASE_HANDLE_MAC} if isinstance(ext, Mapping) else ext
     )
