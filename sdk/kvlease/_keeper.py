@@ -100,9 +100,18 @@ class _KeeperBase:
             wait = wait_exponential_jitter(multiplier=p.initial_wait_s, max=p.max_wait_s, jitter=p.jitter_s)
         except TypeError:  # pragma: no cover - older tenacity
             wait = wait_exponential_jitter(initial=p.initial_wait_s, max=p.max_wait_s, jitter=p.jitter_s)
+
+        def wait_or_retry_after(state: RetryCallState) -> float:
+            """The backoff, or longer when the router said when to come back (503/429
+            ``Retry-After``), bounded by ``max_wait_s``."""
+            base = float(wait(state))
+            exc = state.outcome.exception() if state.outcome is not None else None
+            asked = getattr(exc, "retry_after", None)
+            return max(base, min(float(asked), p.max_wait_s)) if asked else base
+
         return {
             "stop": stop_after_attempt(p.attempts) | stop_after_delay(p.max_delay_s),
-            "wait": wait,
+            "wait": wait_or_retry_after,
             "retry": retry_if_exception_type(TransientLeaseError),
             "before_sleep": _log_retry,
             "reraise": True,
@@ -193,6 +202,8 @@ class _KeeperBase:
             yield request
         except (hx.HTTPError, LeaseError) as e:
             log.warning("kvlease: releasing conversation %s failed: %s", order.conversation_id, e)
+        except RuntimeError as e:  # the HTTP client's connections belong to another event loop
+            log.info("kvlease: releasing conversation %s here failed: %s", order.conversation_id, e)
 
     def _record(self, table_op: Callable[[], list[str]], what: str) -> None:
         with self.lock:
@@ -303,7 +314,7 @@ class LeaseKeeper(_KeeperBase):
     def _renew_once(self, batch: RenewBatch) -> protocol.RenewResponse:
         with self._renewing(batch) as (url, body, headers):
             r = self.http.post(url, content=body, headers=headers, timeout=self.retry.timeout_s)
-        return LeaseWire.renew_answer(r.status_code, r.content)
+        return LeaseWire.renew_answer(r.status_code, r.content, r.headers.get(protocol.HEADER_RETRY_AFTER))
 
     def _release(self, order: ReleaseOrder) -> None:
         with self._releasing(order) as (url, headers):
@@ -317,6 +328,17 @@ class LeaseKeeper(_KeeperBase):
                 raise _Stopped
         elif self._stop_event.wait(seconds):
             raise _Stopped
+
+
+def _cancel_on_its_loop(task: asyncio.Task[None]) -> None:
+    """Cancel a task of another event loop: on that loop (thread-safe); a closed loop runs nothing."""
+    loop = task.get_loop()
+    if loop.is_closed() or task.done():
+        return
+    try:
+        loop.call_soon_threadsafe(task.cancel)
+    except RuntimeError:  # pragma: no cover - closed meanwhile
+        pass
 
 
 class AsyncLeaseKeeper(_KeeperBase):
@@ -376,14 +398,17 @@ class AsyncLeaseKeeper(_KeeperBase):
         orders = self._closing()
         if orders is None:
             return
-        if self._task is not None:
+        task, self._task = self._task, None
+        if task is not None and task.get_loop() is asyncio.get_running_loop():
             assert self._stop_event is not None and self._wakeup is not None
             self._stop_event.set()
             self._wakeup.set()
             try:
-                await asyncio.wait_for(self._task, 5.0)
+                await asyncio.wait_for(task, 5.0)
             except (asyncio.TimeoutError, asyncio.CancelledError, RuntimeError):
-                self._task.cancel()
+                task.cancel()
+        elif task is not None:  # closed from another event loop (as AsyncOpenAI.close allows)
+            _cancel_on_its_loop(task)
         for order in orders:
             await self._release(order)
 
@@ -421,7 +446,7 @@ class AsyncLeaseKeeper(_KeeperBase):
     async def _renew_once(self, batch: RenewBatch) -> protocol.RenewResponse:
         with self._renewing(batch) as (url, body, headers):
             r = await self.http.post(url, content=body, headers=headers, timeout=self.retry.timeout_s)
-        return LeaseWire.renew_answer(r.status_code, r.content)
+        return LeaseWire.renew_answer(r.status_code, r.content, r.headers.get(protocol.HEADER_RETRY_AFTER))
 
     async def _release(self, order: ReleaseOrder) -> None:
         with self._releasing(order) as (url, headers):

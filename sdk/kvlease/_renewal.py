@@ -33,7 +33,15 @@ _RETRY_STATUS: Final = frozenset({408, 425, 429, 500, 502, 503, 504})
 
 
 class TransientLeaseError(LeaseError):
-    """A lease request failed in a way worth retrying (network error, 5xx, 429)."""
+    """A lease request failed in a way worth retrying (network error, 5xx, 429): the leases stand
+    (only an ``unknown`` in a renew answer means a lease is gone). ``retry_after``: the seconds the
+    router asked for (its ``Retry-After``), if it did."""
+
+    def __init__(
+        self, message: str, *, status_code: int | None = None, retry_after: float | None = None
+    ) -> None:
+        super().__init__(message, status_code=status_code, transient=True)
+        self.retry_after = retry_after
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,8 +241,9 @@ class LeaseWire:
         return order.root + protocol.conversation_path(order.conversation_id), dict(order.headers)
 
     @staticmethod
-    def renew_answer(status_code: int, body: bytes) -> protocol.RenewResponse:
-        check_status("renew", status_code, body)
+    def renew_answer(status_code: int, body: bytes, retry_after: str | None = None) -> protocol.RenewResponse:
+        """The answer of a renew; ``retry_after``: the answer's ``Retry-After`` header, if any."""
+        check_status("renew", status_code, body, retry_after)
         try:
             data: Any = json.loads(body)
             return protocol.RenewResponse.from_json(data)
@@ -248,10 +257,25 @@ class LeaseWire:
         check_status("release", status_code, body)
 
 
-def check_status(what: str, status_code: int, body: bytes) -> None:
+def check_status(what: str, status_code: int, body: bytes, retry_after: str | None = None) -> None:
     if 200 <= status_code < 300:
         return
     text = body[:200].decode("utf-8", "replace")
     if status_code in _RETRY_STATUS:
-        raise TransientLeaseError(f"{what} answered HTTP {status_code}: {text}", status_code=status_code)
+        raise TransientLeaseError(
+            f"{what} answered HTTP {status_code}: {text}",
+            status_code=status_code,
+            retry_after=_seconds(retry_after),
+        )
     raise LeaseError(f"{what} answered HTTP {status_code}: {text}", status_code=status_code, transient=False)
+
+
+def _seconds(retry_after: str | None) -> float | None:
+    """``Retry-After`` in delta-seconds (an HTTP date is ignored), bounded to an hour."""
+    if retry_after is None:
+        return None
+    try:
+        value = float(retry_after.strip())
+    except ValueError:
+        return None
+    return min(value, 3600.0) if value >= 0 else None

@@ -27,6 +27,7 @@ from kvlease.protocol import (
 )
 from kvlease_router._identity import Keyer, log_ref
 from kvlease_router._metrics import MissRateMonitor, RouterMetrics
+from kvlease_router._ratelimit import TenantBuckets
 from kvlease_router._settings import RouterSettings
 from kvlease_router._store import ConversationRecord, StateStore, StoreError
 from kvlease_router._upstreams import Upstreams
@@ -57,10 +58,12 @@ class RequestIds:
         return self._buf[at : at + 16].hex()
 
 
-def error_response(status: int, message: str, code: str = ERROR_INVALID_REQUEST) -> web.Response:
+def error_response(
+    status: int, message: str, code: str = ERROR_INVALID_REQUEST, headers: dict[str, str] | None = None
+) -> web.Response:
     """An OpenAI-style error body (:class:`kvlease.protocol.ErrorBody`)."""
     body = ErrorBody(message, code, status).to_json()
-    return web.Response(status=status, body=orjson.dumps(body), content_type=JSON_CT)
+    return web.Response(status=status, body=orjson.dumps(body), content_type=JSON_CT, headers=headers)
 
 
 @dataclass
@@ -79,6 +82,12 @@ class RouterRuntime:
         self._background: set[asyncio.Task[Any]] = set()
         self.request_id = RequestIds()
         s = self.settings
+        #: The decode nodes' control endpoints, from configuration only. A control URL read from a
+        #: stored record or a handle is just a key into this set: the control secret is never sent
+        #: anywhere else (a forged record must not be able to collect it).
+        self.control_urls = frozenset(n.control for n in s.decode if n.control)
+        self._control_of_decode = {n.url: n.control for n in s.decode if n.control}
+        self.renew_budget = TenantBuckets(s.renew_ids_per_s, s.renew_burst_ids)
         # built once: an upstream call's timeouts are the same for every turn
         # (prefill: sock_connect bounds opening a connection; waiting for a free pooled one
         # counts against total)
@@ -143,13 +152,35 @@ class RouterRuntime:
         if self._background:
             await asyncio.wait(list(self._background), timeout=timeout)
 
-    def control(self, url: str) -> AsyncControlClient:
-        """The control API's client for one D's endpoint, on the router's session and secret."""
-        s = self.settings
-        return AsyncControlClient(self.http(), url, secret=s.control_secret, timeout=s.control_timeout)
+    def configured_control(self, url: str | None, decode: str | None = None) -> str | None:
+        """``url`` if it is one of the configured decode control endpoints; else the configured
+        control endpoint of the decode node ``decode`` (the D that served the turn: a D may advertise
+        its endpoint under another name); else ``None`` (send nothing)."""
+        if isinstance(url, str):
+            url = url.rstrip("/")
+            if url in self.control_urls:
+                return url
+        return self._control_of_decode.get(decode) if isinstance(decode, str) else None
 
-    async def release_on_decode(self, control: str, lease_ids: list[str]) -> bool:
-        """``POST /release`` on one D's control endpoint; False if it failed (logged, counted)."""
+    def control(self, url: str) -> AsyncControlClient:
+        """The control API's client for one configured D endpoint, on the router's session and secret;
+        ``ValueError`` for any other URL."""
+        s = self.settings
+        configured = self.configured_control(url)
+        if configured is None:
+            raise ValueError("not a configured decode control endpoint")
+        return AsyncControlClient(self.http(), configured, secret=s.control_secret, timeout=s.control_timeout)
+
+    async def release_on_decode(
+        self, control: str | None, lease_ids: list[str], decode: str | None = None
+    ) -> bool:
+        """``POST /release`` on one D's control endpoint; False if it failed (logged, counted) or
+        no configured endpoint matches (see :meth:`configured_control`; nothing is sent then)."""
+        resolved = self.configured_control(control, decode)
+        if resolved is None:
+            log.warning("not releasing on an unconfigured control endpoint (stored state is untrusted)")
+            return False
+        control = resolved
         try:
             await self.control(control).release(lease_ids)
             self.metrics.releases.inc(len(lease_ids))

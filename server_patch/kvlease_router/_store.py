@@ -7,20 +7,30 @@ A store maps a tenant-scoped conversation key (see ``_identity``) to the last
   ``None`` (the entry is gone). ``keep_for`` is the lease plus a grace period, so the router can tell
   ``expired`` (state present, ``state.expires_at`` passed) from ``first`` (no state).
 * ``get`` never extends the TTL. ``delete`` returns what it removed.
+* ``get_many`` / ``put_many`` are the batched twins (one round trip: a renew's thousands of ids
+  cost one ``MGET`` and one pipeline, not one call each).
 * A backend failure raises :class:`StoreError`; callers degrade to the miss path.
+
+What a shared backend (Redis) holds is untrusted: :class:`RecordSeal` MACs each record, bound to its
+key, under a key derived from the router's key secret (which never sits in the backend); a record
+that fails the MAC or does not parse reads as absent (it costs reuse, never an error).
 """
 
 from __future__ import annotations
 
+import hmac
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol
 
 import orjson
 
-__all__ = ["ConversationRecord", "MemoryStore", "StateStore", "StoreError"]
+__all__ = ["ConversationRecord", "MemoryStore", "RecordSeal", "StateStore", "StoreError"]
+
+#: One write of a batch: (key, record, keep_for seconds).
+PutItem = tuple[str, "ConversationRecord", float]
 
 
 class StoreError(RuntimeError):
@@ -51,6 +61,15 @@ class ConversationRecord:
     def expires_in(self, now: float) -> float:
         return self.expires_at - now
 
+    def with_expiry(self, expires_at: float) -> ConversationRecord:
+        """This record with another lease end (a renewal: cheaper than ``replace`` when a renew
+        rewrites thousands)."""
+        new = object.__new__(ConversationRecord)
+        fields = new.__dict__
+        fields.update(self.__dict__)
+        fields["expires_at"] = expires_at
+        return new
+
     def without_handle(self) -> ConversationRecord:
         return replace(self, params=None, lease_id=None, control=None, tokens=0)
 
@@ -63,18 +82,64 @@ class ConversationRecord:
             data = orjson.loads(raw)
             params = data["params"]
             return cls(
-                decode=data["decode"],
+                decode=_opt_str(data["decode"]),
                 params=params if isinstance(params, dict) else None,
-                lease_id=data["lease_id"],
-                control=data["control"],
+                lease_id=_opt_str(data["lease_id"]),
+                control=_opt_str(data["control"]),
                 tokens=int(data["tokens"]),
                 expires_at=float(data["expires_at"]),
-                continuity=data.get("continuity"),
+                continuity=_opt_str(data.get("continuity")),
                 prefix_len=int(data.get("prefix_len", 0)),
                 turns=int(data.get("turns", 1)),
             )
-        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
             raise StoreError(f"corrupt state entry: {e}") from e
+
+
+def _opt_str(v: object) -> str | None:
+    if v is None or isinstance(v, str):
+        return v
+    raise TypeError(f"expected a string or null, got {type(v).__name__}")
+
+
+class RecordSeal:
+    """MACs of stored records: ``v1.<mac>.<json>``, the MAC (HMAC-SHA256, 128 bits) over the record's
+    key and its JSON, under a key derived from the router's key secret for this use only.
+
+    Bound to the key, so a record copied to another conversation's (or tenant's) key fails too.
+    """
+
+    __slots__ = ("_mac_key", "rejected")
+
+    PREFIX = b"v1."
+
+    def __init__(self, key_secret: str) -> None:
+        self._mac_key = hmac.digest(key_secret.encode("utf-8"), b"kvlease store record mac v1", "sha256")
+        #: Records that failed the MAC or did not parse (each read as absent).
+        self.rejected = 0
+
+    def _mac(self, key: str, body: bytes) -> bytes:
+        return hmac.digest(self._mac_key, key.encode("utf-8") + b"\x00" + body, "sha256")[:16].hex().encode()
+
+    def seal(self, key: str, record: ConversationRecord) -> bytes:
+        body = record.dumps()
+        return self.PREFIX + self._mac(key, body) + b"." + body
+
+    def open(self, key: str, raw: bytes | str | None) -> ConversationRecord | None:
+        """The record, or ``None`` when absent, forged, moved from another key or corrupt."""
+        if raw is None:
+            return None
+        if isinstance(raw, str):
+            raw = raw.encode("utf-8", "surrogatepass")
+        head, mac, body = raw[:3], raw[3:35], raw[36:]
+        if head != self.PREFIX or raw[35:36] != b"." or not hmac.compare_digest(mac, self._mac(key, body)):
+            self.rejected += 1
+            return None
+        try:
+            return ConversationRecord.loads(body)
+        except StoreError:  # a MAC-valid record a newer/older router wrote differently
+            self.rejected += 1
+            return None
 
 
 class StateStore(Protocol):
@@ -87,6 +152,14 @@ class StateStore(Protocol):
     async def put(self, key: str, state: ConversationRecord, keep_for: float) -> None: ...
 
     async def delete(self, key: str) -> ConversationRecord | None: ...
+
+    async def get_many(self, keys: Sequence[str]) -> list[ConversationRecord | None]:
+        """``get`` of each key, in order, in one round trip."""
+        ...
+
+    async def put_many(self, items: Sequence[PutItem]) -> None:
+        """``put`` of each ``(key, state, keep_for)``, in one round trip."""
+        ...
 
     async def close(self) -> None: ...
 
@@ -113,21 +186,36 @@ class MemoryStore:
         return len(self._data)
 
     async def get(self, key: str) -> ConversationRecord | None:
+        return self._get(key, self._clock())
+
+    def _get(self, key: str, now: float) -> ConversationRecord | None:
         item = self._data.get(key)
         if item is None:
             return None
         deadline, state = item
-        if self._clock() >= deadline:
+        if now >= deadline:
             del self._data[key]
             return None
         self._data.move_to_end(key)
         return state
 
+    async def get_many(self, keys: Sequence[str]) -> list[ConversationRecord | None]:
+        now = self._clock()
+        return [self._get(k, now) for k in keys]
+
+    async def put_many(self, items: Sequence[PutItem]) -> None:
+        now = self._clock()
+        for key, state, keep_for in items:
+            self._put(key, state, keep_for, now)
+
     async def put(self, key: str, state: ConversationRecord, keep_for: float) -> None:
+        self._put(key, state, keep_for, self._clock())
+
+    def _put(self, key: str, state: ConversationRecord, keep_for: float, now: float) -> None:
         if keep_for <= 0:
             self._data.pop(key, None)
             return
-        self._data[key] = (self._clock() + keep_for, state)
+        self._data[key] = (now + keep_for, state)
         self._data.move_to_end(key)
         while len(self._data) > self._max:
             self._data.popitem(last=False)

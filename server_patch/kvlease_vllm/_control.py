@@ -7,6 +7,13 @@ changes when it builds the next step's connector metadata, so the scheduler loop
 
 Auth: ``Authorization: Bearer <secret>`` (compared in constant time). Without a configured secret
 ``/info`` and ``/metrics`` stay readable and ``/renew``/``/release`` answer 403.
+
+Bounded, whatever the peers do (:class:`_Server`): a fixed pool of worker threads (never a thread per
+connection) serves one request at a time; idle keep-alive connections wait in one selector thread,
+not in a worker, and are closed after ``idle_timeout``; a request must arrive whole within
+``request_timeout`` (a trickling client holds a worker for at most that long); past the queue's
+bound new work is refused by closing the connection. A body the endpoint does not read (401, 413,
+404...) is drained when small, else the connection is closed.
 """
 
 from __future__ import annotations
@@ -17,8 +24,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any, Final
 
 from kvlease.protocol import (
@@ -36,12 +44,17 @@ from kvlease.protocol import (
     ErrorBody,
     ProtocolError,
 )
+from kvlease_vllm._control_http import Conn, PooledHTTPServer, Writer
 from kvlease_vllm._metrics import CONTENT_TYPE_LATEST, ConnectorMetrics
 from kvlease_vllm._retention import AddResult, RetentionTable
 
 logger = logging.getLogger("vllm.kvlease.control")  # under vLLM's handler inside a server
 
 MAX_BODY_BYTES: Final = 1 << 20
+#: An unread body up to this size is drained (keep-alive survives); a larger one closes the connection.
+DRAIN_MAX_BYTES: Final = 64 << 10
+#: Ids renewed per hold of the lock the scheduler shares.
+RENEW_CHUNK: Final = 256
 
 
 class LeaseDesk:
@@ -60,13 +73,34 @@ class LeaseDesk:
         metrics.capacity_blocks.set(table.capacity_blocks)
 
     # control endpoint side
-    def renew(self, ids: tuple[str, ...], ttl: float, *, pin: bool = False) -> dict[str, float | None]:
+    def renew(
+        self,
+        ids: tuple[str, ...],
+        ttl: float,
+        *,
+        pin: bool = False,
+        claimant: str | None = None,
+        deadlines: dict[str, float] | None = None,
+        tenant: str | None = None,
+    ) -> dict[str, float | None]:
+        """Seconds left per id (None: unknown, or claimed by another reader); ``deadlines``, when
+        given, receives the absolute deadlines (this clock) of the leases renewed. ``tenant``: the
+        opaque tenant tag the leases are counted under (the per-tenant retention quota).
+
+        The scheduler shares the lock, so it is taken per :data:`RENEW_CHUNK` ids and holds only the
+        table updates; the answer is built outside it (a 10,000-id renew never holds the scheduler
+        for more than one chunk's worth of dict updates)."""
         out: dict[str, float | None] = {}
-        with self._lock:
-            now = self.clock()
-            for lid in ids:
-                deadline = self._table.renew(lid, ttl, now, pin=pin)
+        table = self._table
+        for start in range(0, len(ids), RENEW_CHUNK):
+            chunk = ids[start : start + RENEW_CHUNK]
+            with self._lock:
+                now = self.clock()
+                got = [table.renew(lid, ttl, now, pin=pin, claimant=claimant, tenant=tenant) for lid in chunk]
+            for lid, deadline in zip(chunk, got):
                 out[lid] = None if deadline is None else deadline - now
+                if deadline is not None and deadlines is not None:
+                    deadlines[lid] = deadline
         ok = sum(v is not None for v in out.values())
         self.metrics.renewals.labels("ok").inc(ok)
         self.metrics.renewals.labels("unknown").inc(len(out) - ok)
@@ -97,9 +131,9 @@ class LeaseDesk:
                 self._table.forget(lid)
             self._gauges()
 
-    def relieve(self, blocks_needed: int) -> list[str]:
+    def relieve(self, blocks_needed: int, *, limit: int | None = None) -> list[str]:
         with self._lock:
-            released = self._table.relieve(blocks_needed, self.clock())
+            released = self._table.relieve(blocks_needed, self.clock(), limit=limit)
             self._gauges()
         if released:
             self.metrics.releases.labels("pressure").inc(len(released))
@@ -129,8 +163,27 @@ class LeaseDesk:
 
 
 class _Handler(BaseHTTPRequestHandler):
-    server: _Server
+    """Serves exactly one request of a connection (the server re-parks the connection after)."""
+
+    server: _Server  # type: ignore[assignment]
     protocol_version = "HTTP/1.1"
+
+    def __init__(self, conn: Conn, server: _Server) -> None:
+        self._conn = conn
+        self._body_read = False
+        super().__init__(conn.sock, conn.addr, server)  # type: ignore[arg-type]
+
+    def setup(self) -> None:
+        self.connection = self.request
+        self.rfile = self._conn.reader  # type: ignore[assignment]
+        self.wfile = Writer(self.connection, self.server.request_timeout)  # type: ignore[assignment]
+
+    def handle(self) -> None:
+        self.close_connection = True
+        self.handle_one_request()
+
+    def finish(self) -> None:
+        pass
 
     def log_message(self, format: str, *args: Any) -> None:
         logger.debug("control %s - " + format, self.address_string(), *args)
@@ -170,6 +223,9 @@ class _Handler(BaseHTTPRequestHandler):
             return fn(body)
         except ProtocolError as e:
             return self._error(HTTPStatus.BAD_REQUEST, str(e))
+        except OSError:  # the peer was too slow or went away: nothing more to say on this connection
+            self.close_connection = True
+            return None
         except Exception:  # never let one request kill the endpoint
             logger.exception("kvlease control endpoint error")
             return self._error(HTTPStatus.INTERNAL_SERVER_ERROR, "internal error")
@@ -197,7 +253,10 @@ class _Handler(BaseHTTPRequestHandler):
             raise ProtocolError("bad Content-Length") from None
         if length > MAX_BODY_BYTES:
             return _TOO_LARGE
+        self._body_read = True
         raw = self.rfile.read(length) if length > 0 else b""
+        if len(raw) < length:
+            raise ProtocolError("body shorter than its Content-Length")
         try:
             return json.loads(raw or b"null")
         except (ValueError, UnicodeDecodeError):
@@ -212,8 +271,11 @@ class _Handler(BaseHTTPRequestHandler):
     def _renew(self, body: object) -> None:
         req = ControlRenewRequest.from_json(body)
         ttl = min(req.ttl, self.server.max_ttl)
-        expires = self.server.desk.renew(req.request_ids, ttl, pin=req.claim)
-        self._json(HTTPStatus.OK, ControlRenewResponse(expires).to_json())
+        deadlines: dict[str, float] | None = {} if req.claim else None
+        expires = self.server.desk.renew(
+            req.request_ids, ttl, pin=req.claim, claimant=req.claimant, deadlines=deadlines, tenant=req.tenant
+        )
+        self._json(HTTPStatus.OK, ControlRenewResponse(expires, deadlines).to_json())
 
     def _release(self, body: object) -> None:
         req = ControlReleaseRequest.from_json(body)
@@ -226,9 +288,31 @@ class _Handler(BaseHTTPRequestHandler):
     def _json(self, status: HTTPStatus, obj: object, headers: dict[str, str] | None = None) -> None:
         self._send(status, json.dumps(obj).encode(), "application/json", headers)
 
+    def _settle_body(self) -> bool:
+        """Before answering without reading the body: drain a small one; False: close instead."""
+        if self._body_read:
+            return True
+        self._body_read = True
+        if self.headers.get("Transfer-Encoding"):
+            return False
+        try:
+            length = int(self.headers.get("Content-Length", "0"))
+        except ValueError:
+            return False
+        if length <= 0:
+            return length == 0
+        if length > DRAIN_MAX_BYTES:
+            return False
+        try:
+            return len(self.rfile.read(length)) == length
+        except OSError:
+            return False
+
     def _send(
         self, status: HTTPStatus, data: bytes, ctype: str, headers: dict[str, str] | None = None
     ) -> None:
+        if not self._settle_body():
+            headers = {**(headers or {}), "Connection": "close"}  # send_header sets close_connection
         self.send_response(status)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(data)))
@@ -241,10 +325,7 @@ class _Handler(BaseHTTPRequestHandler):
 _TOO_LARGE: Final = object()
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-
+class _Server(PooledHTTPServer):
     def __init__(
         self,
         addr: tuple[str, int],
@@ -252,16 +333,21 @@ class _Server(ThreadingHTTPServer):
         info: Callable[[], ControlInfo],
         secret: str | None,
         max_ttl: float,
+        **limits: Any,
     ) -> None:
         self.desk = desk
         self.info = info
         self.secret = secret
         self.max_ttl = max_ttl
-        super().__init__(addr, _Handler)
+        super().__init__(addr, self._serve_one, **limits)
+
+    def _serve_one(self, conn: Conn) -> bool:
+        return not _Handler(conn, self).close_connection
 
 
 class ControlServer:
-    """The control endpoint, serving in a daemon thread until :meth:`stop`."""
+    """The control endpoint, serving in a daemon thread until :meth:`stop` (bounded: see
+    :class:`_Server`)."""
 
     def __init__(
         self,
@@ -272,8 +358,20 @@ class ControlServer:
         port: int = 0,
         secret: str | None = None,
         max_ttl: float = 3600.0,
+        workers: int = 8,
+        request_timeout: float = 5.0,
+        idle_timeout: float = 30.0,
     ) -> None:
-        self._server = _Server((host, port), desk, info, secret, max_ttl)
+        self._server = _Server(
+            (host, port),
+            desk,
+            info,
+            secret,
+            max_ttl,
+            workers=workers,
+            request_timeout=request_timeout,
+            idle_timeout=idle_timeout,
+        )
         self._thread = threading.Thread(
             target=self._server.serve_forever,
             kwargs={"poll_interval": 0.5},
@@ -285,6 +383,11 @@ class ControlServer:
     def port(self) -> int:
         return int(self._server.server_address[1])
 
+    @property
+    def refused(self) -> int:
+        """Connections closed unserved because the endpoint was full."""
+        return self._server.refused
+
     def url(self, advertise_host: str) -> str:
         host = f"[{advertise_host}]" if ":" in advertise_host else advertise_host
         return f"http://{host}:{self.port}"
@@ -294,19 +397,37 @@ class ControlServer:
         return self
 
     def stop(self) -> None:
-        self._server.shutdown()
+        if self._thread.is_alive():
+            self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5)
 
 
-def claim(url: str, lease_id: str, hold_s: float, secret: str | None, timeout: float) -> float | None:
-    """Claim (renew and pin) ``lease_id`` at a decode node's control endpoint.
+def claim(
+    url: str,
+    lease_id: str,
+    hold_s: float,
+    secret: str | None,
+    timeout: float,
+    claimant: str | None = None,
+    tenant: str | None = None,
+) -> ClaimResult:
+    """Claim (renew and pin) ``lease_id`` at a decode node's control endpoint, for ``claimant``.
 
-    Returns seconds left on the lease, or ``None`` when D no longer holds it. Raises ``OSError`` /
-    ``ValueError`` when D does not answer properly (the caller recomputes). The control API's one
-    client (:class:`kvlease.protocol.ControlClient`, standard library only), sync: it runs in a
-    thread of vLLM's engine process.
+    Returns the seconds left on the lease (None when D no longer holds it or another reader holds
+    the claim) and D's absolute deadline when D reports it. Raises ``OSError`` / ``ValueError``
+    when D does not answer properly (the caller recomputes). Uses the control API's one request
+    client (:class:`kvlease.protocol.ControlClient`, standard library only), sync: it runs in a thread of vLLM's engine process.
+    ``tenant``: the opaque tenant tag of the lease (D's per-tenant retention quota), when P has one.
     """
-    answer = ControlClient(url, secret=secret, timeout=timeout).renew([lease_id], hold_s, claim=True)
-    left: float | None = answer.expires_in.get(lease_id)
-    return left
+    client = ControlClient(url, secret=secret, timeout=timeout)
+    answer = client.renew([lease_id], hold_s, claim=True, claimant=claimant, tenant=tenant)
+    left = answer.expires_in.get(lease_id)
+    deadline = (answer.deadlines or {}).get(lease_id) if left is not None else None
+    return ClaimResult(left, deadline)
+
+
+@dataclass(frozen=True)
+class ClaimResult:
+    left: float | None  # seconds left on D's lease; None: gone, or claimed by another reader
+    deadline: float | None = None  # D's absolute deadline (D's clock), when D reports it

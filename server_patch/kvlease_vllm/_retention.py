@@ -12,8 +12,14 @@ Rules:
 - Retained blocks are capped: adding past the cap releases the oldest-deadline leases first
   (pinned leases, claimed by a prefill node that is about to read them, are never released early);
   if that is not enough the new lease is not retained.
+- Per-tenant quota: a lease carries the opaque tenant tag its renewals/claims name; past
+  ``tenant_quota_fraction`` of the cap, a tenant's oldest leases (down to the quota) are released
+  early before anyone else's, so one tenant filling the cap pushes out its own leases, not others'.
 - Every deadline change is queued for the workers (:meth:`take_updates`), which run the expiry
   sweep; a release is a deadline of "now".
+- Claims are exclusive: while one claimant's pin holds, another claim is refused (the same
+  claimant may claim again while its read waits). A release of a pinned lease is deferred until
+  the pin ends (:meth:`sweep` carries it out); a deferred lease renews as "unknown".
 """
 
 from __future__ import annotations
@@ -33,6 +39,10 @@ class Lease:
     blocks: int
     deadline: float
     pinned_until: float = -math.inf
+    claimant: str | None = None
+    release_pending: bool = False  # released while pinned: freed when the pin ends
+    #: Opaque tag of the tenant (sent by the router with renewals and by P with claims), if known.
+    tenant: str | None = None
 
     def pinned(self, now: float) -> bool:
         return self.pinned_until > now
@@ -50,6 +60,9 @@ class RetentionTable:
     capacity_blocks: int
     max_ttl: float = 3600.0
     renew_guard: float = 2.0
+    #: Share of ``capacity_blocks`` one tenant tag may hold before its leases (its oldest, down to
+    #: the quota) are the first released early under pressure.
+    tenant_quota_fraction: float = 0.5
     _leases: dict[str, Lease] = field(default_factory=dict)
     #: lease id -> (blocks, released at): released, free not yet confirmed by the workers.
     _releasing: dict[str, tuple[int, float]] = field(default_factory=dict)
@@ -104,15 +117,27 @@ class RetentionTable:
         self._retained += blocks
         return AddResult(True, tuple(released))
 
-    def renew(self, lease_id: str, ttl: float, now: float, *, pin: bool = False) -> float | None:
+    def renew(
+        self,
+        lease_id: str,
+        ttl: float,
+        now: float,
+        *,
+        pin: bool = False,
+        claimant: str | None = None,
+        tenant: str | None = None,
+    ) -> float | None:
         """Extend to ``now + ttl`` (never shorter); return the deadline, or None if unknown.
 
         ``pin`` (a prefill node's claim before its read) also protects the lease from early release
-        for ``ttl`` seconds.
+        for ``ttl`` seconds. A claim is refused (None) while another claimant's pin holds; an
+        anonymous claim (``claimant`` None) never matches a held pin.
         """
         lease = self._leases.get(lease_id)
-        if lease is None or not ttl > 0 or now + self.renew_guard >= lease.deadline:
+        if lease is None or not ttl > 0 or now + self.renew_guard >= lease.deadline or lease.release_pending:
             return None
+        if pin and lease.pinned(now) and (claimant is None or lease.claimant != claimant):
+            return None  # exclusive: someone else is reading it
         ttl = min(ttl, self.max_ttl)
         new = max(lease.deadline, now + ttl)
         if new != lease.deadline:
@@ -120,13 +145,24 @@ class RetentionTable:
             self._updates[lease_id] = new
         if pin:
             lease.pinned_until = max(lease.pinned_until, now + ttl)
+            lease.claimant = claimant
+        if tenant is not None:
+            lease.tenant = tenant
         return lease.deadline
 
     def release(self, lease_id: str, now: float) -> bool:
-        """Free the lease's blocks now (explicit release or early release); False if unknown."""
-        lease = self._leases.pop(lease_id, None)
+        """Free the lease's blocks now (explicit release or early release); False if unknown.
+
+        A pinned lease (a prefill node is reading it) is not freed under the read: the release is
+        deferred until the pin ends (True: it will be released).
+        """
+        lease = self._leases.get(lease_id)
         if lease is None:
             return False
+        if lease.pinned(now):
+            lease.release_pending = True
+            return True
+        del self._leases[lease_id]
         self._retained -= lease.blocks
         self._releasing[lease_id] = (lease.blocks, now)
         self._updates[lease_id] = now
@@ -143,14 +179,20 @@ class RetentionTable:
         self._retained -= lease.blocks
         return True
 
-    def relieve(self, blocks_needed: int, now: float) -> list[str]:
-        """Release unpinned leases, oldest deadline first, until ``blocks_needed`` are freed."""
+    def relieve(self, blocks_needed: int, now: float, *, limit: int | None = None) -> list[str]:
+        """Release unpinned leases, oldest deadline first, until ``blocks_needed`` are freed.
+
+        ``limit``: release at most that many (emergency relief frees one lease per allocation
+        failure, the oldest unpinned one).
+        """
         if blocks_needed <= 0:
             return []
-        return self._release_oldest(blocks_needed, now)
+        return self._release_oldest(blocks_needed, now, limit=limit)
 
     def sweep(self, now: float) -> list[str]:
         """Drop entries the workers should long have freed (bounded memory); return their ids."""
+        for lease in [x for x in self._leases.values() if x.release_pending and not x.pinned(now)]:
+            self.release(lease.lease_id, now)  # the deferred release, now that the pin ended
         gone = [lid for lid, (_, at) in self._releasing.items() if now - at > RELEASING_GRACE_S]
         for lid in gone:
             del self._releasing[lid]
@@ -168,15 +210,36 @@ class RetentionTable:
     def _releasable_blocks(self, now: float) -> int:
         return sum(lease.blocks for lease in self._leases.values() if not lease.pinned(now))
 
-    def _release_oldest(self, need: int, now: float) -> list[str]:
+    def _over_quota(self) -> set[str]:
+        """Ids of the leases that put their tenant over its quota: per tenant tag past
+        ``tenant_quota_fraction`` of the capacity, its oldest leases down to the quota."""
+        quota = self.tenant_quota_fraction * self.capacity_blocks
+        by_tenant: dict[str, list[Lease]] = {}
+        for lease in self._leases.values():
+            if lease.tenant is not None:
+                by_tenant.setdefault(lease.tenant, []).append(lease)
+        over: set[str] = set()
+        for leases in by_tenant.values():
+            excess = sum(lease.blocks for lease in leases) - quota
+            for lease in sorted(leases, key=lambda lease: (lease.deadline, lease.lease_id)):
+                if excess <= 0:
+                    break
+                over.add(lease.lease_id)
+                excess -= lease.blocks
+        return over
+
+    def _release_oldest(self, need: int, now: float, limit: int | None = None) -> list[str]:
+        """Unpinned leases in early-release order: those over their tenant's quota first, then
+        the rest; oldest deadline first within each."""
+        over = self._over_quota()
         order = sorted(
             (lease for lease in self._leases.values() if not lease.pinned(now)),
-            key=lambda lease: (lease.deadline, lease.lease_id),
+            key=lambda lease: (lease.lease_id not in over, lease.deadline, lease.lease_id),
         )
         released: list[str] = []
         freed = 0
         for lease in order:
-            if freed >= need:
+            if freed >= need or (limit is not None and len(released) >= limit):
                 break
             self.release(lease.lease_id, now)
             freed += lease.blocks

@@ -39,7 +39,8 @@ class RouterProcess:
             sys.executable, "-m", "kvlease_router.cli",
             "--prefill", stack.prefill.url, "--prefill-control", stack.prefill.control,
             "--decode", stack.decode.url, "--decode-control", stack.decode.control,
-            "--control-secret", stack.control_secret, "--port", "0", "--startup-timeout", "120", *extra,
+            "--control-secret", stack.control_secret, "--port", "0", "--startup-timeout", "120",
+            "--key-secret", "integration-key-secret", *extra,  # Redis state needs one (never in Redis)
         ]  # fmt: skip
         self.proc = subprocess.Popen(
             args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, process_group=0

@@ -184,12 +184,21 @@ def test_metrics_count_renewals_and_releases(client: httpx.Client) -> None:
 
 def test_claim_pins_the_lease(client: httpx.Client, desk: LeaseDesk, clock: Clock) -> None:
     url = str(client.base_url)
-    left = claim(url, "lease-a", 30.0, SECRET, timeout=5)
-    assert left == pytest.approx(30.0)
+    got = claim(url, "lease-a", 30.0, SECRET, timeout=5, claimant="p-1")
+    assert got.left == pytest.approx(30.0)
+    # D's absolute deadline on its own clock, for upstream's expired-read guard
+    assert got.deadline == pytest.approx(clock.now + 30.0)
     assert desk.relieve(1000) == ["lease-b"]  # the claimed lease is not released early
-    assert claim(url, "lease-b", 30.0, SECRET, timeout=5) is None
+    assert claim(url, "lease-b", 30.0, SECRET, timeout=5).left is None
     with pytest.raises(OSError, match="401"):
         claim(url, "lease-a", 30.0, "wrong", timeout=5)
+    # exclusive: a second reader of the same handle is refused, the first may claim again
+    refused = claim(url, "lease-a", 30.0, SECRET, timeout=5, claimant="p-2")
+    assert refused.left is None and refused.deadline is None
+    assert claim(url, "lease-a", 30.0, SECRET, timeout=5, claimant="p-1").left is not None
+    # a release while pinned is deferred: the read is not freed under it
+    assert desk.release(("lease-a",)) == 1
+    assert desk.snapshot()[0] == 1
 
 
 def test_claim_unreachable_raises() -> None:

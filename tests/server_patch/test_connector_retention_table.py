@@ -156,3 +156,39 @@ def test_expires_in() -> None:
     assert t.expires_in("a", 10.0) == 20.0
     assert t.expires_in("a", 31.0) is None
     assert t.expires_in("zz", 0.0) is None
+
+
+def test_claims_are_exclusive_and_the_claimant_may_claim_again() -> None:
+    t = table()
+    t.add("a", 4, 200.0, now=0.0)
+    assert t.renew("a", 30.0, 100.0, pin=True, claimant="p-1") == 200.0
+    assert t.renew("a", 30.0, 101.0, pin=True, claimant="p-2") is None  # another reader: refused
+    assert t.renew("a", 30.0, 101.0, pin=True) is None  # an anonymous claim never matches a pin
+    assert t.renew("a", 30.0, 110.0, pin=True, claimant="p-1") == 200.0  # the same read re-claims
+    assert t.renew("a", 30.0, 111.0) == 200.0  # a plain renewal is not a claim
+    # once the pin has ended, another reader may claim
+    assert t.renew("a", 30.0, 150.0, pin=True, claimant="p-2") == 200.0
+
+
+def test_release_defers_while_pinned() -> None:
+    t = table()
+    t.add("a", 4, 500.0, now=0.0)
+    t.renew("a", 30.0, 100.0, pin=True, claimant="p-1")
+    t.take_updates()
+    assert t.release("a", 101.0) is True  # accepted ...
+    assert "a" in t and t.retained_blocks == 4 and t.take_updates() == {}  # ... but not under the read
+    assert t.renew("a", 60.0, 102.0) is None  # being released: renews as unknown
+    t.sweep(120.0)  # pin still holds
+    assert "a" in t
+    t.sweep(131.0)  # pin over: the deferred release happens
+    assert "a" not in t and t.take_updates() == {"a": 131.0} and t.releasing_blocks == 4
+
+
+def test_emergency_relief_frees_one_lease_oldest_unpinned_first() -> None:
+    t = table()
+    for lid, deadline in (("new", 300.0), ("old", 100.0), ("mid", 200.0), ("pinned", 50.0)):
+        t.add(lid, 10, deadline, now=0.0)
+    t.renew("pinned", 30.0, 10.0, pin=True, claimant="p")
+    assert t.relieve(1000, 11.0, limit=1) == ["old"]
+    assert t.relieve(1000, 11.0, limit=1) == ["mid"]
+    assert t.relieve(1000, 11.0) == ["new"]  # without a limit: until enough (pinned never)

@@ -40,6 +40,7 @@ HEADER_API_KEY: Final = "api-key"
 #: Conversation ids: 1-128 characters of [A-Za-z0-9._:-].
 CONVERSATION_ID_MAX_LEN: Final = 128
 CONVERSATION_ID_PATTERN: Final = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+_ID_LINES: Final = re.compile(r"(?:[A-Za-z0-9._:\-]{1,128}\n)*")
 
 #: Fields a server may use for an assistant message's reasoning text (vLLM's reasoning parsers), in
 #: lookup order: when a message carries both non-empty, ``reasoning`` (vLLM's current name) wins.
@@ -57,9 +58,18 @@ SSE_DONE: Final = f"data: {SSE_DONE_DATA}\n\n"
 HEADER_STATUS: Final = "X-KVLease-Status"
 HEADER_REUSED_TOKENS: Final = "X-KVLease-Reused-Tokens"
 HEADER_TTL: Final = "X-KVLease-TTL"
+#: Whether the prefill node verifies tokens before it pulls, on every completion response of a
+#: router. ``tokens``: the kvlease connector pulls only the token-verified common prefix of the new
+#: prompt and what the decode node holds, so a history that changed part-way is still safe to offer
+#: (everything before the first changed token is reused). ``none``: stock vLLM pulls by length, so a
+#: client must opt out of reuse (:data:`HEADER_REUSE`) when its history is not an exact extension.
+#: A server that sends no such header is treated as ``none``.
+HEADER_VERIFIED: Final = "X-KVLease-Verified"
+VERIFIED_TOKENS: Final = "tokens"
+VERIFIED_NONE: Final = "none"
 
 #: Every kvlease response header, for code that copies or strips them.
-RESPONSE_HEADERS: Final = (HEADER_STATUS, HEADER_REUSED_TOKENS, HEADER_TTL)
+RESPONSE_HEADERS: Final = (HEADER_STATUS, HEADER_REUSED_TOKENS, HEADER_TTL, HEADER_VERIFIED)
 
 
 class ReuseStatus(str, enum.Enum):
@@ -138,6 +148,12 @@ class RenewRequest:
             raise ProtocolError("conversation_ids must be a list of strings")
         if len(ids) > RENEW_MAX_IDS:
             raise ProtocolError(f"at most {RENEW_MAX_IDS} conversation_ids per renew request")
+        # fast path (a renew carries up to 10,000 ids): one regex pass over the joined ids; an id
+        # holding a newline would add a line, so the line count must be the id count
+        if all(type(i) is str for i in ids):
+            joined = "\n".join(ids) + "\n"
+            if joined.count("\n") == len(ids) and _ID_LINES.fullmatch(joined) is not None:
+                return cls(tuple(ids))
         return cls(tuple(validate_conversation_id(i) for i in ids))
 
 
@@ -154,9 +170,10 @@ class RenewResponse:
     ttl: float | None = None
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for cid, exp in self.leases.items():
-            out[cid] = {"status": LEASE_UNKNOWN} if exp is None else {"expires_in": round(exp, 3)}
+        unknown = {"status": LEASE_UNKNOWN}  # one object for every unknown id (serialized alike)
+        out = {
+            cid: unknown if exp is None else {"expires_in": round(exp, 3)} for cid, exp in self.leases.items()
+        }
         body: dict[str, Any] = {"leases": out}
         if self.ttl is not None:
             body["ttl"] = self.ttl

@@ -27,6 +27,10 @@ ERROR_INVALID_REQUEST: Final = "invalid_request_error"
 ERROR_SERVER: Final = "server_error"
 ERROR_UPSTREAM: Final = "upstream_error"
 ERROR_STORE_UNAVAILABLE: Final = "store_unavailable"
+#: 429 of the lease API (a tenant's renew budget is spent; ``Retry-After`` says when to come back).
+ERROR_RATE_LIMITED: Final = "rate_limit_exceeded"
+#: ``Retry-After`` (seconds) on the router's 429 and 503 answers; the SDK keeper waits that long.
+HEADER_RETRY_AFTER: Final = "Retry-After"
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,8 @@ CONTROL_METRICS_PATH: Final = "/metrics"
 #: Shared-secret auth on the control endpoint: ``Authorization: Bearer <secret>``.
 CONTROL_AUTH_HEADER: Final = "Authorization"
 CONTROL_SECRET_ENV: Final = "KVLEASE_CONTROL_SECRET"
+#: Longest opaque tenant tag a control renew may carry.
+TENANT_TAG_MAX_LEN: Final = 64
 
 
 class Role(str, enum.Enum):
@@ -43,6 +45,12 @@ class ControlInfo:
     block_size: int
     model: str | None = None
     protocol_version: int = PROTOCOL_VERSION
+    #: The NIXL package version and vLLM's NIXL connector version (14 in vLLM 0.32, 15 in 0.33):
+    #: P and D must agree on both (the router refuses a mismatched pair). None: not reported.
+    nixl_version: str | None = None
+    connector_version: int | None = None
+    #: This engine's data-parallel index (each rank runs its own control endpoint, port + index).
+    data_parallel_index: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -56,6 +64,9 @@ class ControlInfo:
             "block_size": self.block_size,
             "model": self.model,
             "protocol_version": self.protocol_version,
+            "nixl_version": self.nixl_version,
+            "connector_version": self.connector_version,
+            "data_parallel_index": self.data_parallel_index,
         }
 
     @classmethod
@@ -70,6 +81,8 @@ class ControlInfo:
         if not _is_number(ttl):
             raise ProtocolError("info.ttl_s must be a number")
         model = data.get("model")
+        nixl = data.get("nixl_version")
+        cv = data.get("connector_version")
         return cls(
             role=role,
             engine_id=str(data.get("engine_id", "")),
@@ -81,6 +94,13 @@ class ControlInfo:
             block_size=_int_field(data, "block_size", 1, 1 << 16),
             model=model if isinstance(model, str) else None,
             protocol_version=_int_field(data, "protocol_version", 0, 1 << 16),
+            nixl_version=nixl if isinstance(nixl, str) and nixl else None,
+            connector_version=_int_field(data, "connector_version", 0, 1 << 16) if cv is not None else None,
+            data_parallel_index=(
+                _int_field(data, "data_parallel_index", 0, 1 << 16)
+                if data.get("data_parallel_index") is not None
+                else 0
+            ),
         )
 
 
@@ -89,17 +109,29 @@ class ControlRenewRequest:
     """``POST /renew`` on D: ``{"request_ids": [...], "ttl": 300.0}``.
 
     ``"claim": true`` (sent by a prefill node right before it reads a lease) also pins the lease
-    for ``ttl`` seconds: D will not release it early to make room.
+    for ``ttl`` seconds: D will not release it early to make room. A claim is exclusive: while one
+    claimant's pin holds, another claim of the lease is refused (answered as unknown);
+    ``"claimant"`` (P's request id) lets the same reader claim again while its read waits.
+
+    ``"tenant": "<tag>"`` (optional, router renews and P's claims): an opaque tag of the tenant the
+    leases belong to (derived by the router; it reveals nothing). D counts each tag's retained blocks
+    against its per-tenant quota, and a tenant's leases over quota are released first under pressure.
     """
 
     request_ids: tuple[str, ...]
     ttl: float
     claim: bool = False
+    claimant: str | None = None
+    tenant: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         body: dict[str, Any] = {"request_ids": list(self.request_ids), "ttl": self.ttl}
         if self.claim:
             body["claim"] = True
+            if self.claimant is not None:
+                body["claimant"] = self.claimant
+        if self.tenant is not None:
+            body["tenant"] = self.tenant
         return body
 
     @classmethod
@@ -111,23 +143,45 @@ class ControlRenewRequest:
         claim = data.get("claim", False) if isinstance(data, Mapping) else False
         if not isinstance(claim, bool):
             raise ProtocolError("claim must be true or false")
-        return cls(ids, float(ttl), claim)
+        claimant = data.get("claimant") if isinstance(data, Mapping) else None
+        if claimant is not None and (not isinstance(claimant, str) or not claimant or len(claimant) > 512):
+            raise ProtocolError("claimant must be a non-empty string")
+        tenant = data.get("tenant") if isinstance(data, Mapping) else None
+        if tenant is not None and not (isinstance(tenant, str) and 0 < len(tenant) <= TENANT_TAG_MAX_LEN):
+            raise ProtocolError(f"tenant must be a string of 1-{TENANT_TAG_MAX_LEN} characters")
+        return cls(ids, float(ttl), claim, claimant if claim else None, tenant)
 
 
 @dataclass(frozen=True)
 class ControlRenewResponse:
-    """``POST /renew`` answer: ``{"expires_in": {"<request id>": 299.9 | null}}`` (null: unknown)."""
+    """``POST /renew`` answer: ``{"expires_in": {"<request id>": 299.9 | null}}`` (null: unknown).
+
+    ``deadlines`` (optional): the absolute deadlines on D's clock (``time.perf_counter``, the clock of
+    upstream's ``remote_blocks_expiry_time``), for a claimant to hand to upstream's expiry guard.
+    """
 
     expires_in: Mapping[str, float | None]
+    deadlines: Mapping[str, float] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"expires_in": {k: (None if v is None else round(v, 3)) for k, v in self.expires_in.items()}}
+        out: dict[str, Any] = {
+            "expires_in": {k: (None if v is None else round(v, 3)) for k, v in self.expires_in.items()}
+        }
+        if self.deadlines is not None:
+            out["deadlines"] = dict(self.deadlines)
+        return out
 
     @classmethod
     def from_json(cls, data: object) -> ControlRenewResponse:
         if not isinstance(data, Mapping) or not isinstance(data.get("expires_in"), Mapping):
             raise ProtocolError("renew answer must be an object with 'expires_in'")
-        return cls({str(k): (float(v) if _is_number(v) else None) for k, v in data["expires_in"].items()})
+        raw = data.get("deadlines")
+        deadlines = (
+            {str(k): float(v) for k, v in raw.items() if _is_number(v)} if isinstance(raw, Mapping) else None
+        )
+        return cls(
+            {str(k): (float(v) if _is_number(v) else None) for k, v in data["expires_in"].items()}, deadlines
+        )
 
 
 @dataclass(frozen=True)
@@ -206,9 +260,12 @@ def renew_call(
     secret: str | None,
     timeout: float,
     claim: bool = False,
+    claimant: str | None = None,
+    tenant: str | None = None,
 ) -> ControlCall:
-    """``POST /renew`` of ``lease_ids`` for ``ttl`` seconds (``claim``: also pin them, on P's read)."""
-    body = ControlRenewRequest(tuple(lease_ids), ttl, claim=claim).to_json()
+    """``POST /renew`` of ``lease_ids`` for ``ttl`` seconds (``claim``: also pin them, on P's read;
+    ``tenant``: the opaque tenant tag of D's per-tenant retention quota)."""
+    body = ControlRenewRequest(tuple(lease_ids), ttl, claim=claim, claimant=claimant, tenant=tenant).to_json()
     return _call(control, CONTROL_RENEW_PATH, body, secret, timeout)
 
 

@@ -68,8 +68,25 @@ class ControlClient:
     def __init__(self, url: str, *, secret: str | None, timeout: float) -> None:
         self.url, self.secret, self.timeout = url, secret, timeout
 
-    def renew(self, lease_ids: Sequence[str], ttl: float, *, claim: bool = False) -> ControlRenewResponse:
-        call = renew_call(self.url, lease_ids, ttl, secret=self.secret, timeout=self.timeout, claim=claim)
+    def renew(
+        self,
+        lease_ids: Sequence[str],
+        ttl: float,
+        *,
+        claim: bool = False,
+        claimant: str | None = None,
+        tenant: str | None = None,
+    ) -> ControlRenewResponse:
+        call = renew_call(
+            self.url,
+            lease_ids,
+            ttl,
+            secret=self.secret,
+            timeout=self.timeout,
+            claim=claim,
+            claimant=claimant,
+            tenant=tenant,
+        )
         return read_renew_answer(*send(call))
 
     def release(self, lease_ids: Sequence[str]) -> ControlReleaseResponse:
@@ -86,9 +103,11 @@ class AsyncControlClient:
         self.session, self.url, self.secret, self.timeout = session, url, secret, timeout
 
     async def renew(
-        self, lease_ids: Sequence[str], ttl: float, *, claim: bool = False
+        self, lease_ids: Sequence[str], ttl: float, *, claim: bool = False, tenant: str | None = None
     ) -> ControlRenewResponse:
-        call = renew_call(self.url, lease_ids, ttl, secret=self.secret, timeout=self.timeout, claim=claim)
+        call = renew_call(
+            self.url, lease_ids, ttl, secret=self.secret, timeout=self.timeout, claim=claim, tenant=tenant
+        )
         return read_renew_answer(*await send_async(self.session, call))
 
     async def release(self, lease_ids: Sequence[str]) -> ControlReleaseResponse:

@@ -3,21 +3,32 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
-from conftest import Cluster, ClusterFactory, assistant_text
+import pytest
+from _router_cluster import Cluster, ClusterFactory, assistant_text
 
 from kvlease.protocol import (
     CONVERSATIONS_PATH,
+    ERROR_RATE_LIMITED,
+    ERROR_STORE_UNAVAILABLE,
+    HEADER_RETRY_AFTER,
     HEADER_STATUS,
     KV,
     KV_TRANSFER_PARAMS,
     METRICS_PATH,
+    RENEW_MAX_IDS,
     RENEW_PATH,
     STATUS_PATH,
+    ErrorBody,
+    ProtocolError,
+    RenewRequest,
     RenewResponse,
 )
+from kvlease_router import ConversationRecord, MemoryStore, StoreError
+from kvlease_router._store import PutItem
 from kvlease_stack.testing import FakeConfig
 
 
@@ -177,3 +188,160 @@ async def test_status_health_metrics(cluster: Cluster) -> None:
     assert 'kvlease_router_turns_total{status="first"} 1.0' in text
     assert "kvlease_router_prefill_seconds_bucket" in text and "kvlease_router_decode_seconds_bucket" in text
     assert "kvlease_router_store_errors_total 0.0" in text
+
+
+# ---- renew at bounded cost (issue 15, item 3) ------------------------------------------------
+
+
+class FailingStore(MemoryStore):
+    """A memory store whose every call fails while ``down`` (a Redis blip)."""
+
+    down = False
+
+    def _check(self) -> None:
+        if self.down:
+            raise StoreError("redis: ConnectionError: down")
+
+    async def get(self, key: str) -> ConversationRecord | None:
+        self._check()
+        return await super().get(key)
+
+    async def get_many(self, keys: Sequence[str]) -> list[ConversationRecord | None]:
+        self._check()
+        return await super().get_many(keys)
+
+    async def put_many(self, items: Sequence[PutItem]) -> None:
+        self._check()
+        await super().put_many(items)
+
+    async def delete(self, key: str) -> ConversationRecord | None:
+        self._check()
+        return await super().delete(key)
+
+
+async def test_a_store_error_is_503_with_retry_after_never_unknown(make_cluster: ClusterFactory) -> None:
+    store = FailingStore(100)
+    cluster = await make_cluster(store=store)
+    msgs = await _first_turn(cluster, "blip")
+    store.down = True
+    async with cluster.client.post(cluster.url + RENEW_PATH, json={"conversation_ids": ["blip"]}) as r:
+        body = orjson.loads(await r.read())
+        assert r.status == 503 and int(r.headers[HEADER_RETRY_AFTER]) >= 1
+    assert ErrorBody.from_json(body).type == ERROR_STORE_UNAVAILABLE
+    async with cluster.client.delete(cluster.url + CONVERSATIONS_PATH + "/blip") as r:
+        assert r.status == 503 and HEADER_RETRY_AFTER in r.headers
+    store.down = False  # the blip is over: the lease was never reported gone, and still holds
+    status, body = await _renew(cluster, ["blip"])
+    assert status == 200 and body["leases"]["blip"]["expires_in"] > 0
+    r, _ = await cluster.chat(msgs, cid="blip")
+    assert r.headers[HEADER_STATUS] == "hit"
+
+
+async def test_renews_have_a_per_tenant_budget(make_cluster: ClusterFactory) -> None:
+    cluster = await make_cluster(renew_ids_per_s=1000.0, renew_burst_ids=2000)
+    greedy = {"Authorization": "Bearer greedy"}
+    ids = [f"x{i}" for i in range(900)]
+    assert (await _renew(cluster, ids, greedy))[0] == 200  # 900 + 100 of 2000
+    assert (await _renew(cluster, ids, greedy))[0] == 200
+    async with cluster.client.post(
+        cluster.url + RENEW_PATH, json={"conversation_ids": ids}, headers=greedy
+    ) as r:
+        assert r.status == 429 and int(r.headers[HEADER_RETRY_AFTER]) >= 1
+        assert ErrorBody.from_json(orjson.loads(await r.read())).type == ERROR_RATE_LIMITED
+    assert (await _renew(cluster, ids, {"Authorization": "Bearer other"}))[0] == 200  # not others'
+
+
+async def test_the_renew_cap_is_the_sdk_batch_size() -> None:
+    """The keeper batches by the same protocol constant the router caps at."""
+    from kvlease._renewal import RenewalSchedule
+
+    table = RenewalSchedule(max_idle=1e9)
+    for i in range(RENEW_MAX_IDS + 5):
+        table.activate(f"c{i}", "http://r", 300.0, {}, 0.0, explicit=False)
+    batches, _ = table.due(1e6, force=True)
+    assert [len(b.conversation_ids) for b in batches] == [RENEW_MAX_IDS, 5]
+    RenewRequest.from_json({"conversation_ids": [f"c{i}" for i in range(RENEW_MAX_IDS)]})
+    with pytest.raises(ProtocolError):
+        RenewRequest.from_json({"conversation_ids": [f"c{i}" for i in range(RENEW_MAX_IDS + 1)]})
+    with pytest.raises(ProtocolError):  # the fast path still refuses an id holding a newline
+        RenewRequest.from_json({"conversation_ids": ["a\nb"]})
+
+
+async def test_renew_sends_d_an_opaque_tenant_tag(make_cluster: ClusterFactory) -> None:
+    cluster = await make_cluster()
+    seen: list[str | None] = []
+    leases = cluster.pair.decode.retained
+    renew = leases.renew
+
+    def spy(body: object) -> Any:
+        req, answer = renew(body)
+        seen.append(req.tenant)
+        return req, answer
+
+    leases.renew = spy  # type: ignore[method-assign]
+    for who in ("alice", "bob", "alice"):
+        h = {"Authorization": f"Bearer {who}-key"}
+        await _first_turn(cluster, f"{who}-conv", h)
+        await _renew(cluster, [f"{who}-conv"], h)
+    assert len(seen) == 3 and seen[0] == seen[2] != seen[1]
+    assert all(t and "alice" not in t and "bob" not in t and len(t) <= 64 for t in seen)
+
+
+@pytest.mark.redis
+async def test_one_mget_per_renew_on_redis(make_cluster: ClusterFactory, redis_server: Any) -> None:
+    from kvlease_router import RedisStore, redis_client_from_url
+
+    store = RedisStore(redis_client_from_url(redis_server.url, 1.0), secret="test-key-secret", timeout=1.0)
+    cluster = await make_cluster(store=store)
+    for cid in ("m1", "m2"):
+        await _first_turn(cluster, cid)
+    probe = redis_client_from_url(redis_server.url, 1.0)
+    await probe.config_resetstat()
+    status, body = await _renew(cluster, ["m1", "m2", *(f"unknown{i}" for i in range(500))])
+    assert status == 200 and body["leases"]["m1"]["expires_in"] > 0
+    stats = await probe.info("commandstats")
+    assert stats["cmdstat_mget"]["calls"] == 1
+    assert "cmdstat_get" not in stats
+    assert stats["cmdstat_set"]["calls"] == 2  # the two renewed records, in one pipeline
+    await probe.aclose()
+
+
+@pytest.mark.redis
+async def test_an_anonymous_renew_flood_leaves_other_tenants_reuse_alone(
+    make_cluster: ClusterFactory, redis_server: Any
+) -> None:
+    """Issue 15's victim: one anonymous renew of 101 unknown ids a second switched reuse off for
+    every tenant (101 concurrent GETs, a pool of 100, a 1 s back-off). Here ten such renews a second
+    run beside a victim's 20 turns, on a pool of 8 connections."""
+    from kvlease_router import RedisStore, redis_client_from_url
+
+    store = RedisStore(
+        redis_client_from_url(redis_server.url, 1.0, max_connections=8), secret="test-key-secret", timeout=1.0
+    )
+    cluster = await make_cluster(store=store)
+    stop = asyncio.Event()
+    attack_statuses: list[int] = []
+
+    async def attacker() -> None:
+        ids = [f"nope{i}" for i in range(101)]
+        while not stop.is_set():
+            attack_statuses.append((await _renew(cluster, ids))[0])
+            await asyncio.sleep(0.1)
+
+    task = asyncio.create_task(attacker())
+    victim = {"Authorization": "Bearer victim"}
+    msgs = [{"role": "user", "content": "victim " * 40}]
+    statuses = []
+    for _ in range(20):
+        r, b = await cluster.chat(msgs, cid="victim-conv", headers=victim)
+        statuses.append(r.headers[HEADER_STATUS])
+        msgs += [
+            {"role": "assistant", "content": assistant_text(b, False)},
+            {"role": "user", "content": "go"},
+        ]
+        await asyncio.sleep(0.05)
+    stop.set()
+    await task
+    assert statuses.count("hit") == 19 and statuses[0] == "first", statuses
+    assert len(attack_statuses) >= 5 and set(attack_statuses) <= {200, 429}
+    assert cluster.router.metrics.store_errors._value.get() == 0

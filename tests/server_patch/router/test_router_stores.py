@@ -7,7 +7,7 @@ import time
 from collections.abc import AsyncIterator
 
 import pytest
-from conftest import ClusterFactory, assistant_text
+from _router_cluster import ClusterFactory, assistant_text
 
 from kvlease.protocol import HEADER_STATUS
 from kvlease_router import (
@@ -19,6 +19,8 @@ from kvlease_router import (
     redis_client_from_url,
 )
 from kvlease_stack.testing import RedisServer
+
+KEY_SECRET = "test-key-secret"  # the cluster fixture's key secret
 
 
 def _state(n: int = 0) -> ConversationRecord:
@@ -77,6 +79,13 @@ class StoreContract:
         got = await store.get("k")
         assert got is not None and got.params is None and got.lease_id is None and got.decode == "http://d"
 
+    async def test_get_many_and_put_many(self, store: StateStore) -> None:
+        assert await store.get_many([]) == []
+        await store.put_many([("a", _state(1), 30), ("b", _state(2), 30), ("gone", _state(3), 0)])
+        assert await store.get_many(["b", "missing", "a", "gone"]) == [_state(2), None, _state(1), None]
+        await store.put_many([("a", _state(4), 0)])  # keep_for 0: a delete
+        assert await store.get("a") is None
+
 
 class TestMemoryStore(StoreContract):
     @pytest.fixture
@@ -107,20 +116,22 @@ class TestMemoryStore(StoreContract):
 class TestRedisStore(StoreContract):
     @pytest.fixture
     async def store(self, redis_server: RedisServer) -> AsyncIterator[StateStore]:
-        s = RedisStore(redis_client_from_url(redis_server.url, 1.0), timeout=1.0)
+        s = RedisStore(redis_client_from_url(redis_server.url, 1.0), secret=KEY_SECRET, timeout=1.0)
         yield s
         await s.close()
 
     async def test_keys_carry_a_ttl_in_redis(self, redis_server: RedisServer) -> None:
         client = redis_client_from_url(redis_server.url, 1.0)
-        store = RedisStore(client)
+        store = RedisStore(client, secret=KEY_SECRET)
         await store.put("k", _state(), 42)
         pttl = await client.pttl("kvlease:conv:k")
         assert 40_000 < pttl <= 42_000
         await store.close()
 
     async def test_dead_redis_raises_store_error_fast_and_backs_off(self, redis_server: RedisServer) -> None:
-        store = RedisStore(redis_client_from_url(redis_server.url, 0.2), timeout=0.2, backoff=5.0)
+        store = RedisStore(
+            redis_client_from_url(redis_server.url, 0.2), secret=KEY_SECRET, timeout=0.2, backoff=5.0
+        )
         await store.put("k", _state(), 30)
         redis_server.kill()
         with pytest.raises(StoreError):
@@ -131,18 +142,38 @@ class TestRedisStore(StoreContract):
         assert time.perf_counter() - t0 < 0.05
         await store.close()
 
+    async def test_a_busy_pool_waits_then_fails_that_call_only(self, redis_server: RedisServer) -> None:
+        """The pool is bounded and blocking: past it a call waits (up to the timeout) for a free
+        connection; a busy pool fails that call, without the back-off an outage gets."""
+        import redis.asyncio as aioredis
+
+        pool = aioredis.BlockingConnectionPool.from_url(redis_server.url, max_connections=1, timeout=0.1)
+        client = aioredis.Redis(connection_pool=pool)
+        store = RedisStore(client, secret=KEY_SECRET, timeout=2.0, backoff=30.0)
+        await store.put("k", _state(), 30)
+        hold = asyncio.create_task(client.blpop(["nothing"], timeout=0.5))  # holds the one connection
+        await asyncio.sleep(0.05)
+        with pytest.raises(StoreError, match="No connection available"):
+            await store.get("k")
+        await hold
+        assert await store.get("k") == _state()  # at once: no back-off for a busy pool
+        await store.close()
+
 
 @pytest.mark.redis
 async def test_router_restart_with_redis_keeps_hits(
     make_cluster: ClusterFactory, redis_server: RedisServer
 ) -> None:
-    first = await make_cluster(store=RedisStore(redis_client_from_url(redis_server.url, 1.0), timeout=1.0))
+    first = await make_cluster(
+        store=RedisStore(redis_client_from_url(redis_server.url, 1.0), secret=KEY_SECRET, timeout=1.0)
+    )
     msgs = [{"role": "user", "content": "restart me " * 20}]
     r1, b1 = await first.chat(msgs, cid="survivor")
     assert r1.headers[HEADER_STATUS] == "first"
     await first.runner.cleanup()  # the router process goes away; the fakes stay
     second = await make_cluster(
-        pair=first.pair, store=RedisStore(redis_client_from_url(redis_server.url, 1.0), timeout=1.0)
+        pair=first.pair,
+        store=RedisStore(redis_client_from_url(redis_server.url, 1.0), secret=KEY_SECRET, timeout=1.0),
     )
     msgs += [
         {"role": "assistant", "content": assistant_text(b1, False)},
@@ -156,7 +187,9 @@ async def test_router_restart_with_redis_keeps_hits(
 async def test_redis_killed_mid_run_degrades_to_misses_without_failed_turns(
     make_cluster: ClusterFactory, redis_server: RedisServer
 ) -> None:
-    store = RedisStore(redis_client_from_url(redis_server.url, 2.0), timeout=2.0, backoff=0.5)
+    store = RedisStore(
+        redis_client_from_url(redis_server.url, 2.0), secret=KEY_SECRET, timeout=2.0, backoff=0.5
+    )
     cluster = await make_cluster(store=store)
     convs = {f"k{i}": [{"role": "user", "content": f"conversation {i} " * 10}] for i in range(8)}
     statuses: list[str] = []

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
 import pytest
-from conftest import ClusterFactory, assistant_text
+from _router_cluster import ClusterFactory, assistant_text
 
 from kvlease.protocol import HEADER_STATUS
 from kvlease_router import ConfigError, NodeSpec, RouterSettings

@@ -1,0 +1,47 @@
+"""Per-tenant token buckets (sans-IO: every call takes ``now``)."""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+__all__ = ["TenantBuckets"]
+
+
+class TenantBuckets:
+    """One token bucket per tenant: ``rate`` tokens a second, at most ``burst`` held.
+
+    Bounded memory: past ``max_tenants`` the least recently seen tenant's bucket is dropped (it
+    comes back full, which only ever errs towards letting a request through).
+    """
+
+    __slots__ = ("_buckets", "_max", "burst", "rate")
+
+    def __init__(self, rate: float, burst: float, max_tenants: int = 100_000) -> None:
+        if rate <= 0 or burst <= 0 or max_tenants < 1:
+            raise ValueError("rate, burst and max_tenants must be positive")
+        self.rate = rate
+        self.burst = burst
+        self._max = max_tenants
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # tenant -> (tokens, at)
+
+    def take(self, tenant: str, cost: float, now: float) -> float:
+        """Spend ``cost`` tokens of ``tenant``'s bucket: 0.0 if allowed, else the seconds to wait
+        until it would be (nothing is spent then). A cost above ``burst`` needs a full bucket."""
+        tokens, at = self._buckets.pop(tenant, (self.burst, now))
+        tokens = min(self.burst, tokens + max(0.0, now - at) * self.rate)
+        need = min(cost, self.burst)
+        wait = 0.0
+        if tokens >= need:
+            tokens -= need
+        else:
+            wait = (need - tokens) / self.rate
+        self._buckets[tenant] = (tokens, now)
+        while len(self._buckets) > self._max:
+            self._buckets.popitem(last=False)
+        return wait
+
+    @staticmethod
+    def retry_after(wait: float) -> str:
+        """A ``Retry-After`` header value (whole seconds, at least 1) for ``wait`` seconds."""
+        return str(max(1, math.ceil(wait)))
