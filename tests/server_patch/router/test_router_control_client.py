@@ -148,7 +148,7 @@ async def test_sync_and_async_twins_send_identical_requests(recorder: Recorder) 
 
 async def test_claim_renew_and_release_use_the_one_client(recorder: Recorder, router: RouterRuntime) -> None:
     url, s = recorder.url, router.settings
-    assert claim(url, "lease-a", 30.0, SECRET, timeout=5) == pytest.approx(30.0)
+    assert claim(url, "lease-a", 30.0, SECRET, timeout=5).left == pytest.approx(30.0)
     assert await _renew_on(router, url, ["lease-a", "lease-b"]) == {"lease-a": 30.0, "lease-b": 30.0}
     assert await router.release_on_decode(url, ["lease-a"]) is True
     assert recorder.seen == [
