@@ -15,6 +15,7 @@ from typing import Any
 import aiohttp
 import orjson
 from aiohttp import web
+from tenacity import AsyncRetrying
 
 from kvlease import __version__
 from kvlease.protocol import (
@@ -37,7 +38,10 @@ from kvlease.protocol import (
     RouterStatus,
 )
 from kvlease_router._flow import handle_turn
+from kvlease_router._guard import GUARD_KEY, ConnectionGuard, guard_middleware
 from kvlease_router._lease_api import handle_release, handle_renew
+from kvlease_router._logs import install_server_log_filter
+from kvlease_router._retry import RETRY_POLICY, upstream_policy
 from kvlease_router._runtime import JSON_CT, RouterRuntime, error_response, log
 from kvlease_router._settings import ConfigError, RouterSettings
 from kvlease_router._store import StateStore
@@ -200,14 +204,22 @@ def _status(router: RouterRuntime) -> RouterStatus:
 
 
 def create_app(
-    settings: RouterSettings, store: StateStore, upstreams: Upstreams | None = None
+    settings: RouterSettings,
+    store: StateStore,
+    upstreams: Upstreams | None = None,
+    *,
+    retry_policy: AsyncRetrying | None = None,
 ) -> web.Application:
-    """The router as an aiohttp app; run it with ``web.run_app`` or an ``AppRunner``."""
+    """The router as an aiohttp app; serve it with :func:`kvlease_router._guard.start_site`
+    (which adds the slow-client guards), ``web.run_app`` or an ``AppRunner``."""
     if upstreams is None:
         upstreams = Upstreams(settings.prefill, settings.decode, settings.unhealthy_for)
     router = RouterRuntime(settings, store, upstreams)
-    app = web.Application(client_max_size=settings.max_body_bytes)
+    install_server_log_filter()  # a client's bad HTTP is one INFO line a second, not a traceback
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[guard_middleware])
     app[ROUTER_KEY] = router
+    app[GUARD_KEY] = ConnectionGuard(settings)
+    app[RETRY_POLICY] = retry_policy if retry_policy is not None else upstream_policy()
     app.cleanup_ctx.append(_lifespan(router))
 
     def bind(

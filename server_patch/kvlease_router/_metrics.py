@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvlease.protocol import ReuseStatus
+from kvlease_router._logs import RateLimit
 
 __all__ = ["MissRateMonitor", "RouterMetrics"]
+
+_log = logging.getLogger("kvlease.router")
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0)
 
@@ -58,6 +62,17 @@ class RouterMetrics:
             "kvlease_router_client_errors", "Requests rejected with a 4xx", registry=r
         )
         self.in_flight = Gauge("kvlease_router_in_flight", "Turns in flight", registry=r)
+        #: Client errors are logged at most once a second per kind (a flood of bad requests
+        #: must not become a flood of log lines).
+        self.client_log = RateLimit(1.0)
+
+    def client_error(self, kind: str, message: str) -> None:
+        """Count a 4xx; log it at most once a second per kind (never a traceback)."""
+        self.client_errors.inc()
+        if self.client_log.allow(kind):
+            skipped = self.client_log.take_suppressed(kind)
+            more = f" ({skipped} more suppressed)" if skipped else ""
+            _log.info("client error %s: %s%s", kind, message[:200], more)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -57,6 +57,19 @@ class RouterSettings:
     state: str | None = None
     memory_max_entries: int = 100_000
     max_body_bytes: int = 16 * 1024 * 1024
+    #: Slow and stuck clients (seconds): a request head must arrive within ``header_timeout`` of
+    #: its first byte, its body within ``body_timeout``; a keep-alive connection idle for
+    #: ``idle_timeout`` is closed; a stream the client stops reading for ``stream_write_timeout``
+    #: is closed (and its D connection with it). At most ``max_connections_per_ip`` open
+    #: connections per client address (0: no bound).
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    idle_timeout: float = 75.0
+    stream_write_timeout: float = 30.0
+    max_connections_per_ip: int = 256
+    #: Hostile upstreams: D's (or P's) non-streamed answer, and one pending SSE event, are capped.
+    max_upstream_bytes: int = 64 * 1024 * 1024
+    max_sse_event_bytes: int = 8 * 1024 * 1024
     #: Open connections per upstream node (past it requests wait for a free one: backpressure
     #: instead of a connect storm); idle ones are closed after ``keepalive_timeout`` seconds.
     upstream_connections: int = 256
@@ -70,6 +83,13 @@ class RouterSettings:
     store_timeout: float = 0.25
     #: After a store error, skip the store for this long (turns go on as misses meanwhile).
     store_backoff: float = 1.0
+    #: Redis connections per router process (a blocking pool: past it a call waits, up to
+    #: ``store_timeout``, for a free one).
+    store_connections: int = 32
+    #: Per-tenant renew budget: a token bucket of conversation ids (each renew request costs its
+    #: ids plus a fixed 100); past it the lease API answers 429 with ``Retry-After``.
+    renew_ids_per_s: float = 2000.0
+    renew_burst_ids: int = 20_000
     #: Active health probe period; an unreachable node is avoided for ``unhealthy_for`` seconds.
     health_interval: float = 5.0
     unhealthy_for: float = 5.0
@@ -101,10 +121,21 @@ class RouterSettings:
             raise ConfigError("ttl_margin must not be negative")
         if self.max_body_bytes < 1024:
             raise ConfigError("max_body_bytes must be at least 1024")
+        for name in ("header_timeout", "body_timeout", "idle_timeout", "stream_write_timeout"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive")
+        if self.max_connections_per_ip < 0:
+            raise ConfigError("max_connections_per_ip must not be negative (0: no bound)")
+        if self.max_upstream_bytes < 1024 or self.max_sse_event_bytes < 1024:
+            raise ConfigError("max_upstream_bytes and max_sse_event_bytes must be at least 1024")
         if self.upstream_connections < 1:
             raise ConfigError("upstream_connections must be at least 1")
         if self.keepalive_timeout <= 0:
             raise ConfigError("keepalive_timeout must be positive")
+        if self.store_connections < 1:
+            raise ConfigError("store_connections must be at least 1")
+        if self.renew_ids_per_s <= 0 or self.renew_burst_ids < 1:
+            raise ConfigError("renew_ids_per_s must be positive and renew_burst_ids at least 1")
         if self.memory_max_entries < 1:
             raise ConfigError("memory_max_entries must be at least 1")
         if self.state is not None and not self.state.startswith(("redis://", "rediss://", "unix://")):

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import os
-import secrets
 import signal
 import sys
 from pathlib import Path
@@ -20,7 +20,8 @@ from kvlease_router._settings import ConfigError, NodeSpec, RouterSettings, load
 __all__ = ["app", "serve"]
 
 KEY_SECRET_ENV = "KVLEASE_ROUTER_KEY_SECRET"
-_REDIS_SECRET_KEY = "kvlease:router-key-secret"
+_REDIS_SECRET_KEY = "kvlease:router-key-secret"  # where older routers kept it in clear; deleted
+_REDIS_VERIFIER_KEY = "kvlease:router-key-verifier"
 
 
 class _JsonFormatter(logging.Formatter):
@@ -34,6 +35,12 @@ class _JsonFormatter(logging.Formatter):
         conv = getattr(record, "conv", None)
         if conv:
             out["conv"] = conv  # already a hash prefix, never the raw id
+        if record.exc_info:
+            exc = record.exc_info[1]
+            out["exc"] = f"{type(exc).__name__}: {exc}" if exc is not None else None
+            out["traceback"] = record.exc_text or self.formatException(record.exc_info)
+        if record.stack_info:
+            out["stack"] = self.formatStack(record.stack_info)
         return json.dumps(out)
 
 
@@ -43,41 +50,62 @@ def _nodes(urls: list[str], controls: list[str], role: str) -> tuple[NodeSpec, .
     return tuple(NodeSpec(u, controls[i] if controls else None) for i, u in enumerate(urls))
 
 
-async def _shared_key_secret(client: Any) -> str:
-    """Replicas (and restarts) sharing one Redis must derive the same keys: keep the secret there."""
-    await client.set(_REDIS_SECRET_KEY, secrets.token_hex(32), nx=True)
-    raw = await client.get(_REDIS_SECRET_KEY)
-    return raw.decode() if isinstance(raw, bytes) else str(raw)
+async def _check_key_secret(client: Any, secret: str) -> None:
+    """Replicas (and restarts) sharing one Redis must share the key secret, through configuration:
+    it never sits in Redis (whoever reads Redis could forge state with it). Redis keeps only a
+    verifier (an HMAC of a fixed label), so a replica given another secret refuses to start; a
+    clear-text secret an older router left there is deleted."""
+    verifier = hmac.digest(secret.encode("utf-8"), b"kvlease router key verifier v1", "sha256").hex()
+    await client.delete(_REDIS_SECRET_KEY)
+    await client.set(_REDIS_VERIFIER_KEY, verifier, nx=True)
+    raw = await client.get(_REDIS_VERIFIER_KEY)
+    have = raw.decode() if isinstance(raw, bytes) else str(raw)
+    if not hmac.compare_digest(have, verifier):
+        raise ConfigError(
+            "this router's key secret differs from the one other replicas use with this Redis "
+            f"({_REDIS_VERIFIER_KEY}); give every replica the same --key-secret / {KEY_SECRET_ENV}"
+        )
 
 
 async def serve(settings: RouterSettings, key_secret_given: bool = True) -> None:
     """Run until SIGINT/SIGTERM; prints one JSON line ``{"url": ...}`` when listening."""
-    from aiohttp import web
-
     from kvlease_router._app import create_app
+    from kvlease_router._guard import start_site, stop_site
+    from kvlease_router._logs import install_server_log_filter
     from kvlease_router._redis_store import RedisStore, redis_client_from_url
     from kvlease_router._store import MemoryStore, StateStore
 
     store: StateStore
     if settings.state:
-        client = redis_client_from_url(settings.state, max(settings.store_timeout, 1.0))
         if not key_secret_given:
-            try:
-                settings = settings.with_overrides(key_secret=await _shared_key_secret(client))
-            except Exception as e:
-                raise ConfigError(f"redis at {settings.state} is unreachable at start-up: {e}") from e
-        store = RedisStore(client, timeout=settings.store_timeout, backoff=settings.store_backoff)
+            raise ConfigError(
+                f"--state redis:// needs --key-secret (or {KEY_SECRET_ENV}), the same on every "
+                "replica: the key secret is configuration and is never kept in Redis"
+            )
+        client = redis_client_from_url(
+            settings.state, max(settings.store_timeout, 1.0), settings.store_connections
+        )
+        try:
+            await _check_key_secret(client, settings.key_secret)
+        except ConfigError:
+            raise
+        except Exception as e:
+            raise ConfigError(f"redis at {settings.state} is unreachable at start-up: {e}") from e
+        store = RedisStore(
+            client,
+            secret=settings.key_secret,
+            timeout=settings.store_timeout,
+            backoff=settings.store_backoff,
+        )
     else:
         store = MemoryStore(settings.memory_max_entries)
-    # keep-alive clients must not hold a shutdown for aiohttp's default 60 s
-    runner = web.AppRunner(
-        create_app(settings, store), access_log=None, handle_signals=False, shutdown_timeout=2.0
-    )
+    # served behind the slow-client guards (header/idle timeouts, per-IP bound); keep-alive
+    # clients must not hold a shutdown for aiohttp's default 60 s
+    install_server_log_filter()
+    started = None
     try:
-        await runner.setup()
-        site = web.TCPSite(runner, settings.host, settings.port, backlog=2048, reuse_address=True)
-        await site.start()
-        sockets = getattr(site._server, "sockets", None) or []
+        started = await start_site(create_app(settings, store), settings, settings.host, settings.port)
+        sockets: tuple[Any, ...] = tuple(started[1].sockets or ())
         port = sockets[0].getsockname()[1] if sockets else settings.port
         print(json.dumps({"url": f"http://{settings.host}:{port}"}), flush=True)
         stop = asyncio.Event()
@@ -86,7 +114,8 @@ async def serve(settings: RouterSettings, key_secret_given: bool = True) -> None
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
     finally:
-        await runner.cleanup()
+        if started is not None:
+            await stop_site(*started)
         await store.close()
 
 
@@ -132,6 +161,27 @@ def app(
     upstream_connections: int | None = typer.Option(
         None, "--upstream-connections", help="Open connections per upstream node (default 256)."
     ),
+    header_timeout: float | None = typer.Option(
+        None, "--header-timeout", help="Seconds for a request head, from its first byte (10)."
+    ),
+    body_timeout: float | None = typer.Option(
+        None, "--body-timeout", help="Seconds for a request body (30; 408 after)."
+    ),
+    idle_timeout: float | None = typer.Option(
+        None, "--idle-timeout", help="Close a keep-alive connection idle this long (75)."
+    ),
+    stream_write_timeout: float | None = typer.Option(
+        None, "--stream-write-timeout", help="Close a stream the client stops reading this long (30)."
+    ),
+    max_connections_per_ip: int | None = typer.Option(
+        None, "--max-connections-per-ip", help="Open connections per client address (256; 0: no bound)."
+    ),
+    max_upstream_bytes: int | None = typer.Option(
+        None, "--max-upstream-bytes", help="Cap on a non-streamed P or D answer (64 MiB; 502 above)."
+    ),
+    max_sse_event_bytes: int | None = typer.Option(
+        None, "--max-sse-event-bytes", help="Cap on one pending SSE event from D (8 MiB)."
+    ),
     log_level: str = typer.Option("info", "--log-level"),
     log_json: bool = typer.Option(True, "--log-json/--log-text"),
 ) -> None:
@@ -160,6 +210,13 @@ def app(
             ("startup_timeout", startup_timeout),
             ("max_body_bytes", max_body_bytes),
             ("upstream_connections", upstream_connections),
+            ("header_timeout", header_timeout),
+            ("body_timeout", body_timeout),
+            ("idle_timeout", idle_timeout),
+            ("stream_write_timeout", stream_write_timeout),
+            ("max_connections_per_ip", max_connections_per_ip),
+            ("max_upstream_bytes", max_upstream_bytes),
+            ("max_sse_event_bytes", max_sse_event_bytes),
         ):
             if value is not None:
                 kwargs[name] = value

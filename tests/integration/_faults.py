@@ -26,6 +26,7 @@ from typing import Any
 
 from kvlease.protocol import CACHE_SALT, CONTROL_SECRET_ENV, ReuseStatus
 from kvlease_stack import Stack
+from kvlease_stack.testing._redis import kill_process_group
 
 #: Generous, bounded waits: the machine's CPU is shared by several P/D pairs.
 TURN_TIMEOUT_S = 300.0
@@ -72,7 +73,8 @@ class RouterProc:
             "--decode", stack.decode.url, "--decode-control", stack.decode.control,
             "--host", "127.0.0.1", "--port", str(self.port), "--startup-timeout", "120", *extra,
         ]  # fmt: skip
-        self.env = {**os.environ, CONTROL_SECRET_ENV: stack.control_secret}
+        # a key secret: Redis state needs one, shared by restarts (it is never kept in Redis)
+        self.env = {**os.environ, CONTROL_SECRET_ENV: stack.control_secret, "KVLEASE_ROUTER_KEY_SECRET": "fault-key"}
         self.proc: subprocess.Popen[str] | None = None
         self.starts = 0
         self.start()
@@ -106,16 +108,12 @@ class RouterProc:
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                # bounded, but generous: on a loaded 2-core machine a killed process has taken
-                # over 10 s to be reaped
-                self.proc.wait(60)
+                kill_process_group(self.proc)  # SIGCONT, SIGKILL, wait on the whole group
 
     def kill(self) -> None:
         """SIGKILL (a crash: nothing is flushed, background tasks are lost)."""
         if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
+            kill_process_group(self.proc)
 
     def restart(self) -> None:
         self.stop()
@@ -313,10 +311,13 @@ def stopped(pgid: int) -> Iterator[Callable[[], None]]:
 
 
 def kill_group(pgid: int, proc: subprocess.Popen[bytes] | None, timeout: float = 30.0) -> None:
-    """SIGKILL the process group (a crash) and reap its leader."""
-    os.killpg(pgid, signal.SIGKILL)
+    """SIGKILL the process group (a crash; SIGCONT first, should it be stopped) and wait on it."""
     if proc is not None:
-        proc.wait(timeout)
+        kill_process_group(proc, max(timeout, 60.0), pgid)
+        return
+    for sig in (signal.SIGCONT, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, sig)
 
 
 def wait_until(cond: Callable[[], bool], timeout: float, step: float = 0.2) -> bool:

@@ -116,3 +116,29 @@ def test_cli_config_file_and_unknown_keys(fake_pair: dict[str, Any], tmp_path: P
         assert httpx.get(url + "/v1/kvlease/status", timeout=30).json()["ttl_s"] == 40
     finally:
         _stop(proc)
+
+
+def test_cli_slow_client_flags_reach_the_server(fake_pair: dict[str, Any]) -> None:
+    """``--header-timeout`` and ``--max-connections-per-ip`` are enforced by the served process;
+    a bad setting is refused with exit 2."""
+    import socket
+    import time
+
+    proc = _spawn(_router_args(fake_pair, "--header-timeout", "0.5", "--max-connections-per-ip", "2"))
+    try:
+        url = _first_line(proc)["url"]
+        host, port = url.removeprefix("http://").split(":")
+        a, b = (socket.create_connection((host, int(port)), timeout=5) for _ in range(2))
+        c = socket.create_connection((host, int(port)), timeout=5)
+        assert c.recv(1) == b""  # the third connection from this address is closed at once
+        a.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")  # a head that never ends
+        t0 = time.monotonic()
+        assert a.recv(1) == b"" and time.monotonic() - t0 < 3.0
+        for s in (a, b, c):
+            s.close()
+    finally:
+        _stop(proc)
+    bad = subprocess.run(
+        _router_args(fake_pair, "--body-timeout", "0"), capture_output=True, text=True, timeout=60
+    )
+    assert bad.returncode == 2 and "body_timeout must be positive" in bad.stderr

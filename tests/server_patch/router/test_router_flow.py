@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from conftest import Cluster, ClusterFactory, assistant_text
+from _router_cluster import Cluster, ClusterFactory, assistant_text
 
 from kvlease.protocol import (
     HEADER_REUSE,

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from _router_cluster import ClusterFactory, assistant_text
 from aiohttp import web
-from conftest import ClusterFactory, assistant_text
 
 from kvlease.protocol import HEADER_REUSED_TOKENS, HEADER_STATUS, RENEW_PATH, STATUS_PATH, ControlInfo, Role
 from kvlease_router import ConfigError, MemoryStore, NodeSpec, RouterSettings, create_app

@@ -12,14 +12,14 @@ from typing import Any
 
 import orjson
 import pytest
+from _router_cluster import Cluster, ClusterFactory, assistant_text, one_route_upstream, parse_body
 from aiohttp import web
-from conftest import Cluster, ClusterFactory, assistant_text, one_route_upstream, parse_body
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlease.protocol import HEADER_STATUS, KV_TRANSFER_PARAMS, ReuseStatus
 from kvlease_router import ConversationRecord, MemoryStore
-from kvlease_router._flow import _rewrite_events
+from kvlease_router._relay import rewrite_events as _rewrite_events
 from kvlease_router._reuse import NEEDLE, strip_params
 
 CHAT = "/v1/chat/completions"

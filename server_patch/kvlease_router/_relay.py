@@ -1,0 +1,285 @@
+"""Relaying D's answer to the client: JSON and SSE, with every handle stripped by parsing.
+
+A handle is found by parsing, never trusted to a byte search alone: a JSON key may be spelled with
+escapes (``"kv\\u005ftransfer_params"``), so any event or body that contains the key *or* a ``\\u``
+escape is parsed, stripped at every depth and re-serialized (a line that cannot be parsed is
+dropped). Upstream answers and pending SSE events are capped (``max_upstream_bytes``,
+``max_sse_event_bytes``), SSE is scanned in linear time (each byte is searched for an event
+separator once), and a stuck client write is bounded by ``stream_write_timeout``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from kvlease.protocol import ERROR_UPSTREAM, SSE_DONE, ErrorBody
+from kvlease_router._reuse import NEEDLE, strip_params
+from kvlease_router._runtime import JSON_CT, RouterRuntime, error_response, log
+from kvlease_router._upstreams import Node
+
+__all__ = [
+    "TurnIO",
+    "UpstreamTooLarge",
+    "passthrough",
+    "read_capped",
+    "relay_json",
+    "relay_stream",
+    "rewrite_events",
+]
+
+_DONE = SSE_DONE.encode()
+_ESCAPE = b"\\u"
+_SEP = b"\n\n"
+#: asyncio's default write-buffer high-water mark (64 KiB): below it a write does not wait.
+_NO_WAIT = 64 * 1024
+#: What a client gets instead of an upstream body that quoted a handle (or that could not be read).
+UPSTREAM_ERROR = orjson.dumps(ErrorBody("upstream error", ERROR_UPSTREAM).to_json())
+
+
+class UpstreamTooLarge(Exception):
+    pass
+
+
+class TurnIO(Protocol):
+    """What a relay needs from the turn (``_flow._Turn``)."""
+
+    @property
+    def chat(self) -> bool: ...
+
+    def response_headers(self, router: RouterRuntime) -> dict[str, str]: ...
+    async def capture(self, node: Node, params: object, returned: object, streamed: bool) -> None: ...
+    async def forget(self) -> None: ...
+    def finish(self, node: Node, t0: float) -> None: ...
+
+
+def suspicious(raw: bytes) -> bool:
+    """Whether ``raw`` may carry a handle: the key, or a ``\\u`` escape that may spell it."""
+    return NEEDLE in raw or _ESCAPE in raw
+
+
+async def read_capped(resp: aiohttp.ClientResponse, cap: int) -> bytes:
+    """The whole body, or :class:`UpstreamTooLarge` past ``cap`` bytes (never buffered beyond it)."""
+    length = resp.content_length
+    if length is not None and length > cap:
+        raise UpstreamTooLarge(f"answer of {length} bytes exceeds {cap}")
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in resp.content.iter_any():
+        size += len(chunk)
+        if size > cap:
+            raise UpstreamTooLarge(f"answer exceeds {cap} bytes")
+        parts.append(chunk)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def passthrough(
+    router: RouterRuntime, turn: TurnIO, status: int, body: bytes, content_type: str | None
+) -> web.Response:
+    """An upstream 4xx for the client: its body with handles removed, else a generic error."""
+    content_type = content_type or JSON_CT
+    if suspicious(body):
+        try:
+            obj = orjson.loads(body)
+            strip_params(obj)
+            body = orjson.dumps(obj)
+        except (orjson.JSONDecodeError, orjson.JSONEncodeError):
+            body, content_type = UPSTREAM_ERROR, JSON_CT
+        if NEEDLE in body:  # the handle quoted inside a message (validation errors)
+            body, content_type = UPSTREAM_ERROR, JSON_CT
+    resp = web.Response(status=status, body=body, content_type=content_type)
+    resp.headers.update(turn.response_headers(router))
+    return resp
+
+
+async def relay_json(
+    router: RouterRuntime, turn: TurnIO, node: Node, upstream: aiohttp.ClientResponse, t0: float
+) -> web.Response:
+    """D's non-streamed answer: parsed once, the handle taken out, a 502 if it is not a JSON object."""
+    try:
+        raw = await read_capped(upstream, router.settings.max_upstream_bytes)
+        obj = orjson.loads(raw)
+    except (aiohttp.ClientError, asyncio.TimeoutError, UpstreamTooLarge, orjson.JSONDecodeError) as e:
+        return await _broken(router, turn, node, t0, e)
+    if not isinstance(obj, dict):
+        return await _broken(router, turn, node, t0, ValueError("answer is not a JSON object"))
+    params = None
+    if suspicious(raw):
+        params = strip_params(obj)
+        raw = orjson.dumps(obj)
+    choices = obj.get("choices")
+    first = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], Mapping) else {}
+    returned = first.get("message") if turn.chat else first.get("text")
+    await turn.capture(node, params, returned, False)
+    turn.finish(node, t0)
+    resp = web.Response(status=upstream.status, body=raw, content_type=upstream.content_type or JSON_CT)
+    resp.headers.update(turn.response_headers(router))
+    return resp
+
+
+async def _broken(
+    router: RouterRuntime, turn: TurnIO, node: Node, t0: float, e: BaseException
+) -> web.Response:
+    router.metrics.upstream_errors["decode"].inc()
+    log.warning("decode answer from %s unusable: %s", node.url, type(e).__name__)
+    await turn.forget()
+    turn.finish(node, t0)
+    resp = error_response(502, "decode node gave no usable answer", ERROR_UPSTREAM)
+    resp.headers.update(turn.response_headers(router))
+    return resp
+
+
+def rewrite_events(block: bytes) -> tuple[bytes, Any]:
+    """Strip ``kv_transfer_params`` from complete SSE events; return (bytes, captured params).
+
+    Only the lines that may carry it (:func:`suspicious`) are parsed and re-serialized; the rest is
+    copied as is. A suspicious line that is not a parsable ``data:`` payload is dropped (rather than
+    leaked), with its newline."""
+    found: Any = None
+    out: list[bytes] = []
+    lines = block.split(b"\n")
+    for line in lines:
+        if not suspicious(line):
+            out.append(line)
+            continue
+        if line.startswith(b"data:"):
+            try:
+                obj = orjson.loads(line[5:])
+                got = strip_params(obj)
+                out.append(b"data: " + orjson.dumps(obj))
+            except (orjson.JSONDecodeError, orjson.JSONEncodeError):
+                continue
+            if got is not None:
+                found = got
+    return b"\n".join(out), found
+
+
+class _EventStream(web.StreamResponse):
+    """A streamed response whose status line and headers go out with its first body bytes (one
+    write, one wake-up of the client) instead of on ``prepare`` (aiohttp's ``web.Response`` does
+    the same)."""
+
+    _send_headers_immediately = False
+
+
+class _StuckClient(Exception):
+    pass
+
+
+async def relay_stream(
+    request: web.Request,
+    router: RouterRuntime,
+    turn: TurnIO,
+    node: Node,
+    upstream: aiohttp.ClientResponse,
+    t0: float,
+) -> web.StreamResponse:
+    s = router.settings
+    resp = _EventStream(status=200, headers=turn.response_headers(router))
+    resp.headers["Content-Type"] = "text/event-stream"
+    resp.headers["Cache-Control"] = "no-cache"
+    await resp.prepare(request)
+    write_timeout, event_cap = s.stream_write_timeout, s.max_sse_event_bytes
+    transport = request.transport
+
+    async def write(data: bytes) -> None:
+        # below the transport's high-water mark a write never waits: no timer on the hot path
+        if transport is not None and transport.get_write_buffer_size() + len(data) < _NO_WAIT:
+            await resp.write(data)
+            return
+        try:
+            async with asyncio.timeout(write_timeout):
+                await resp.write(data)
+        except TimeoutError:
+            raise _StuckClient from None
+
+    params: Any = None
+    pending = bytearray()
+    #: The events that came with ``[DONE]``: with a local store they leave with it, in the final
+    #: write after the capture (they arrived together, so nothing is delayed but by the store put).
+    held = b""
+    hold = router.store_is_local
+    done_seen = False
+    try:
+        async for chunk in upstream.content.iter_any():
+            # linear: search only the new bytes (and the one before them) for a separator
+            at = chunk.rfind(_SEP)
+            if at >= 0:
+                cut = at + 2
+            elif pending and pending[-1:] == b"\n" and chunk[:1] == b"\n":
+                cut = 1
+            else:
+                pending += chunk
+                if len(pending) > event_cap:
+                    raise UpstreamTooLarge(f"an SSE event exceeds {event_cap} bytes")
+                continue
+            if pending:
+                complete = bytes(pending) + chunk[:cut]
+                pending = bytearray(chunk[cut:])
+            elif cut == len(chunk):
+                complete = chunk
+            else:
+                complete, pending = chunk[:cut], bytearray(chunk[cut:])
+            if len(pending) > event_cap:
+                raise UpstreamTooLarge(f"an SSE event exceeds {event_cap} bytes")
+            if suspicious(complete):
+                complete, got = rewrite_events(complete)
+                if got is not None:
+                    params = got
+            if complete.endswith(_DONE):
+                complete = complete[: -len(_DONE)]
+                done_seen = True
+                if hold:
+                    held += complete
+                    continue
+            if held:
+                complete, held = held + complete, b""
+            if complete:
+                await write(complete)
+        if pending:
+            tail = bytes(pending)
+            if suspicious(tail):
+                tail, got = rewrite_events(tail)
+                params = got if got is not None else params
+            held += tail
+        if held and not hold:
+            await write(held)
+            held = b""
+    except (ConnectionResetError, _StuckClient) as e:
+        upstream.close()  # client went away or stopped reading: drop the upstream connection
+        if isinstance(e, _StuckClient):
+            log.info("client stopped reading for %g s: stream closed", write_timeout)
+            if request.transport is not None:
+                request.transport.abort()
+        await turn.forget()  # the old handle was spent; D aborted the new one
+        turn.finish(node, t0)
+        return resp
+    except asyncio.CancelledError:
+        upstream.close()
+        turn.finish(node, t0)
+        raise
+    except (aiohttp.ClientError, asyncio.TimeoutError, UpstreamTooLarge) as e:
+        upstream.close()
+        router.metrics.upstream_errors["decode"].inc()
+        log.warning("decode stream from %s broke: %s", node.url, type(e).__name__)
+        await turn.forget()
+        turn.finish(node, t0)
+        try:
+            await resp.write_eof(held)
+        except ConnectionResetError:
+            pass
+        return resp
+    # the state is stored before the client sees [DONE], so its next turn finds the new handle
+    await turn.capture(node, params, None, True)
+    try:
+        await resp.write_eof(held + _DONE if done_seen else held)  # one write: events, [DONE], end
+    except ConnectionResetError:
+        pass
+    finally:
+        turn.finish(node, t0)
+    return resp
