@@ -39,7 +39,11 @@ BENCHMARKS: dict[str, tuple[str, str, bool]] = {
         False,
     ),
     "analyze": ("analyze_throughput", "Analyzer throughput and memory on a generated log", False),
-    "plan": ("plan_speed", "Capacity planner: replay turns per minute on one core (generated agent trace)", False),
+    "plan": (
+        "plan_speed",
+        "Capacity planner: replay turns per minute on one core (generated agent trace)",
+        False,
+    ),
     "renew": ("renew_cost", "Router CPU per 10,000-id renew (unknown ids; live leases)", False),
     "plugin": ("bench_plugin_stream", "vLLM plugin: streaming overhead (stand-in stream generator)", False),
     "ttft": ("turn_ttft", "Turn-2 prefill time: kvlease pull vs recompute vs upstream pull", True),

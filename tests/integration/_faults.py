@@ -74,7 +74,11 @@ class RouterProc:
             "--host", "127.0.0.1", "--port", str(self.port), "--startup-timeout", "120", *extra,
         ]  # fmt: skip
         # a key secret: Redis state needs one, shared by restarts (it is never kept in Redis)
-        self.env = {**os.environ, CONTROL_SECRET_ENV: stack.control_secret, "KVLEASE_ROUTER_KEY_SECRET": "fault-key"}
+        self.env = {
+            **os.environ,
+            CONTROL_SECRET_ENV: stack.control_secret,
+            "KVLEASE_ROUTER_KEY_SECRET": "fault-key",
+        }
         self.proc: subprocess.Popen[str] | None = None
         self.starts = 0
         self.start()
