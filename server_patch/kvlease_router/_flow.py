@@ -367,7 +367,7 @@ async def _run(request: web.Request, router: RouterRuntime, turn: _Turn, stream:
             router.metrics.reused_tokens.inc(turn.reused)
     if releases_unused(p, turn.status):
         assert p.state is not None and p.state.control and p.state.lease_id
-        router.spawn(router.release_on_decode(p.state.control, [p.state.lease_id]))
+        router.spawn(router.release_on_decode(p.state.control, [p.state.lease_id], decode=p.state.decode))
     d_body = dict(turn.body)
     d_body[KV_TRANSFER_PARAMS] = upstream_params(p_out.get(KV_TRANSFER_PARAMS))
     return await _decode(request, router, turn, orjson.dumps(d_body), stream)
