@@ -142,6 +142,23 @@ def _wait(agent: Any, handle: Any) -> None:
         raise RuntimeError(f"NIXL transfer ended in state {state}")
 
 
+def _rows(np: Any, layout: Layout, block_ids: Any) -> Any:
+    """The prepped-list row of every (region, block): ``r * num_blocks + block``, region-major."""
+    return (
+        (np.arange(layout.regions)[:, None] * layout.num_blocks + block_ids[None, :]).ravel().astype(np.int32)
+    )
+
+
+def _prepped_read(agent: Any, local_all: Any, li: Any, remote_all: Any, ri: Any) -> float:
+    """One READ of prepped descriptors by index, waited for; its seconds."""
+    t = time.perf_counter()
+    h = agent.make_prepped_xfer("READ", local_all, li, remote_all, ri)
+    _wait(agent, h)
+    dt = time.perf_counter() - t
+    agent.release_xfer_handle(h)
+    return dt
+
+
 def p_main(
     conn: Any, layout: Layout, tokens: list[int], runs: int, threads: int, seed: int
 ) -> dict[str, Any]:
@@ -187,37 +204,17 @@ def p_main(
             keep = run > 0
 
             # per block, as vLLM's worker posts them
-            li = (
-                (np.arange(layout.regions)[:, None] * layout.num_blocks + p_ids[None, :])
-                .ravel()
-                .astype(np.int32)
+            dt = _prepped_read(
+                agent, local_all, _rows(np, layout, p_ids), remote_all, _rows(np, layout, d_ids)
             )
-            ri = (
-                (np.arange(layout.regions)[:, None] * layout.num_blocks + d_ids[None, :])
-                .ravel()
-                .astype(np.int32)
-            )
-            t = time.perf_counter()
-            h = agent.make_prepped_xfer("READ", local_all, li, remote_all, ri)
-            _wait(agent, h)
-            dt = time.perf_counter() - t
-            agent.release_xfer_handle(h)
             check(p_ids, d_ids)
             if keep:
                 times["per_block"].append(dt)
 
             # coalesced ceiling: one contiguous run per region on both sides (blocks 0..n-1)
             seq = np.arange(n)
-            li = (
-                (np.arange(layout.regions)[:, None] * layout.num_blocks + seq[None, :])
-                .ravel()
-                .astype(np.int32)
-            )
-            t = time.perf_counter()
-            h = agent.make_prepped_xfer("READ", local_all, li, remote_all, li)
-            _wait(agent, h)
-            dt = time.perf_counter() - t
-            agent.release_xfer_handle(h)
+            li = _rows(np, layout, seq)
+            dt = _prepped_read(agent, local_all, li, remote_all, li)
             check(seq, seq)
             if keep:
                 times["coalesced"].append(dt)

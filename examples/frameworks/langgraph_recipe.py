@@ -9,16 +9,13 @@ reuses the token-verified prefix, and ``reasoning_policy="keep"`` sends the reas
 
 from __future__ import annotations
 
-import argparse
-
+import _common
 from langchain_core.tools import tool
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.prebuilt import create_react_agent  # langchain.agents.create_agent takes the same model
 
 import kvlease
 from kvlease_langchain import ChatKVLease
-
-QUESTIONS = ("What is the weather in Paris?", "And tomorrow?")
 
 
 @tool
@@ -34,7 +31,7 @@ def run(
     try:
         agent = create_react_agent(chat, [get_weather], checkpointer=InMemorySaver())
         config = {"configurable": {"thread_id": thread_id}}
-        for question in QUESTIONS:
+        for question in _common.QUESTIONS:
             agent.invoke({"messages": [("user", question)]}, config)
         conv = chat.get_conversation(thread_id)
         return conv.turns if conv is not None else []
@@ -43,14 +40,7 @@ def run(
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
-    ap.add_argument("--model", default="tiny")
-    args = ap.parse_args()
-    for t in run(args.base_url, args.model):
-        print(
-            f"turn {t.index + 1}: status={t.status and t.status.value} reused={t.reused_tokens} history={t.history.value}"
-        )
+    _common.main(__doc__, run)
 
 
 if __name__ == "__main__":

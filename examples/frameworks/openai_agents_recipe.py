@@ -10,10 +10,9 @@ makes it send the reasoning back. Tracing is switched off: it would export to ap
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 from typing import Any
 
+import _common
 from agents import (
     Agent,
     ModelSettings,
@@ -25,8 +24,6 @@ from agents import (
 from openai import AsyncOpenAI
 
 import kvlease
-
-QUESTIONS = ("What is the weather in Paris?", "And tomorrow?")
 
 
 @function_tool
@@ -47,21 +44,14 @@ async def run(base_url: str, model: str) -> list[kvlease.Turn]:
             model_settings=ModelSettings(include_usage=True),
         )
         history: list[Any] = []
-        for question in QUESTIONS:
+        for question in _common.QUESTIONS:
             result = await Runner.run(agent, [*history, {"role": "user", "content": question}])
             history = result.to_input_list()
         return conv.turns
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
-    ap.add_argument("--model", default="tiny")
-    args = ap.parse_args()
-    for t in asyncio.run(run(args.base_url, args.model)):
-        print(
-            f"turn {t.index + 1}: status={t.status and t.status.value} reused={t.reused_tokens} history={t.history.value}"
-        )
+    _common.main(__doc__, run)
 
 
 if __name__ == "__main__":

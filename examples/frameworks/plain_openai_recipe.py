@@ -10,10 +10,10 @@ connector the token-verified prefix is still reused.
 
 from __future__ import annotations
 
-import argparse
 import json
 from typing import Any
 
+import _common
 from openai import OpenAI
 
 import kvlease
@@ -32,7 +32,6 @@ TOOLS: list[dict[str, Any]] = [
         },
     }
 ]
-QUESTIONS = ("What is the weather in Paris?", "And tomorrow?")
 
 
 def get_weather(city: str) -> str:
@@ -43,7 +42,7 @@ def run(base_url: str, model: str, *, strip_reasoning: bool = False) -> list[kvl
     """One conversation; ``strip_reasoning`` resends replies as dicts without their reasoning."""
     with kvlease.wrap(OpenAI(base_url=base_url, api_key="EMPTY")) as kc, kc.conversation() as conv:
         messages: list[Any] = []
-        for question in QUESTIONS:
+        for question in _common.QUESTIONS:
             messages.append({"role": "user", "content": question})
             while True:
                 r = conv.chat.completions.create(model=model, messages=messages, tools=TOOLS)
@@ -63,14 +62,7 @@ def run(base_url: str, model: str, *, strip_reasoning: bool = False) -> list[kvl
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
-    ap.add_argument("--model", default="tiny")
-    args = ap.parse_args()
-    for t in run(args.base_url, args.model):
-        print(
-            f"turn {t.index + 1}: status={t.status and t.status.value} reused={t.reused_tokens} history={t.history.value}"
-        )
+    _common.main(__doc__, run)
 
 
 if __name__ == "__main__":

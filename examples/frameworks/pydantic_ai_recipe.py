@@ -9,18 +9,15 @@ template renders them, so the prompt tokens are the same and kvlease classifies 
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 from typing import Any
 
+import _common
 from openai import AsyncOpenAI
 from pydantic_ai import Agent
 from pydantic_ai.models.openai import OpenAIChatModel
 from pydantic_ai.providers.openai import OpenAIProvider
 
 import kvlease
-
-QUESTIONS = ("What is the weather in Paris?", "And tomorrow?")
 
 
 def get_weather(city: str) -> str:
@@ -34,21 +31,14 @@ async def run(base_url: str, model: str) -> list[kvlease.Turn]:
         chat_model = OpenAIChatModel(model, provider=OpenAIProvider(openai_client=conv.client))
         agent = Agent(chat_model, tools=[get_weather], instructions="Answer briefly.")
         history: list[Any] = []
-        for question in QUESTIONS:
+        for question in _common.QUESTIONS:
             result = await agent.run(question, message_history=history)
             history = result.all_messages()
         return conv.turns
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
-    ap.add_argument("--model", default="tiny")
-    args = ap.parse_args()
-    for t in asyncio.run(run(args.base_url, args.model)):
-        print(
-            f"turn {t.index + 1}: status={t.status and t.status.value} reused={t.reused_tokens} history={t.history.value}"
-        )
+    _common.main(__doc__, run)
 
 
 if __name__ == "__main__":

@@ -14,9 +14,9 @@ comes back ``expired``), release at the end, and client-side strip detection and
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
+import _common
 from openai import OpenAI
 
 from kvlease.protocol import BODY_PROMPT_CACHE_KEY, HEADER_REUSED_TOKENS, HEADER_SESSION_ID, HEADER_STATUS
@@ -46,9 +46,7 @@ def run(
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
-    ap.add_argument("--model", default="tiny")
+    ap = _common.parser(__doc__)
     ap.add_argument("--prompt-cache-key", action="store_true", help="send the id in the body")
     args = ap.parse_args()
     for i, (status, reused) in enumerate(run(args.base_url, args.model, body_key=args.prompt_cache_key)):

@@ -10,14 +10,11 @@ difference is still reused; against stock vLLM those turns are recomputed.
 
 from __future__ import annotations
 
-import argparse
-
+import _common
 from openai import OpenAI
 from smolagents import OpenAIServerModel, ToolCallingAgent, tool
 
 import kvlease
-
-QUESTIONS = ("What is the weather in Paris?", "And tomorrow?")
 
 
 @tool
@@ -38,20 +35,13 @@ def run(base_url: str, model: str) -> list[kvlease.Turn]:
             max_steps=4,
             verbosity_level=0,
         )
-        for i, question in enumerate(QUESTIONS):
+        for i, question in enumerate(_common.QUESTIONS):
             agent.run(question, reset=i == 0)
         return conv.turns
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
-    ap.add_argument("--model", default="tiny")
-    args = ap.parse_args()
-    for t in run(args.base_url, args.model):
-        print(
-            f"turn {t.index + 1}: status={t.status and t.status.value} reused={t.reused_tokens} history={t.history.value}"
-        )
+    _common.main(__doc__, run)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +19,7 @@ import pytest
 from kvlease import HistoryClass, ReuseOffWarning, ReuseStatus, Turn, protocol
 from kvlease_stack.testing import FakeConfig, Reply, RouterOnFakePair
 
-ROOT = Path(__file__).resolve().parents[2]
+RECIPES = Path(__file__).resolve().parents[2] / "examples" / "frameworks"
 H, S = HistoryClass, ReuseStatus
 CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}  # the fake writes '{"city": "Paris"}'
 
@@ -34,7 +35,9 @@ def _script(field: str = "reasoning") -> list[Reply]:
 
 def _recipe(name: str, needs: str) -> ModuleType:
     pytest.importorskip(needs)
-    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / "frameworks" / f"{name}.py")
+    if str(RECIPES) not in sys.path:  # their shared ``_common``, as running the script would find it
+        sys.path.insert(0, str(RECIPES))
+    spec = importlib.util.spec_from_file_location(name, RECIPES / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

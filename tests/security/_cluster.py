@@ -16,10 +16,11 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from kvlease.protocol import CHAT_COMPLETIONS_PATH, HEADER_CONVERSATION_ID
-from kvlease_router import ROUTER_KEY, MemoryStore, NodeSpec, RouterSettings, create_app
+from kvlease.protocol import CHAT_COMPLETIONS_PATH
+from kvlease_router import ROUTER_KEY, MemoryStore, create_app
 from kvlease_router._runtime import RouterRuntime
-from kvlease_stack.testing import FakeConfig, FakePair
+from kvlease_stack.testing import FakeConfig, FakePair, chat_request, pair_settings, parse_sse, serve
+from kvlease_stack.testing import reply_text as parsed_reply_text
 
 __all__ = ["Cluster", "Listener", "parse_sse", "reply_text", "running_cluster"]
 
@@ -62,33 +63,13 @@ class Cluster:
         headers: dict[str, str] | None = None,
         **extra: Any,
     ) -> tuple[aiohttp.ClientResponse, bytes]:
-        h = dict(headers or {})
-        if cid is not None:
-            h[HEADER_CONVERSATION_ID] = cid
-        body = {"model": "fake-model", "messages": messages, "stream": stream, **extra}
+        h, body = chat_request(messages, cid=cid, stream=stream, headers=headers, **extra)
         return await self.post(CHAT_COMPLETIONS_PATH, body, h)
 
 
-def parse_sse(raw: bytes) -> list[Any]:
-    """The payloads of an SSE body (``"[DONE]"`` for the terminator)."""
-    out: list[Any] = []
-    for block in raw.split(b"\n\n"):
-        if not block.strip():
-            continue
-        assert block.startswith(b"data: "), block[:200]
-        data = block[6:]
-        out.append("[DONE]" if data == b"[DONE]" else orjson.loads(data))
-    return out
-
-
 def reply_text(raw: bytes, stream: bool) -> str:
-    if not stream:
-        return str(orjson.loads(raw)["choices"][0]["message"]["content"])
-    return "".join(
-        e["choices"][0]["delta"].get("content") or ""
-        for e in parse_sse(raw)
-        if e != "[DONE]" and e.get("choices")
-    )
+    """The assistant's text of a raw answer body (SSE if ``stream``)."""
+    return parsed_reply_text(parse_sse(raw) if stream else orjson.loads(raw), stream)
 
 
 @asynccontextmanager
@@ -105,11 +86,10 @@ async def running_cluster(
     runner: web.AppRunner | None = None
     client: aiohttp.ClientSession | None = None
     try:
-        kvlease = pair.config.kvlease
-        settings = RouterSettings(
-            prefill=(NodeSpec(pair.prefill.url, pair.prefill.control if kvlease else None),),
-            decode=tuple(NodeSpec(decode_url or d.url, d.control if kvlease else None) for d in pair.decodes),
-            control_secret=pair.config.control_secret if kvlease else None,
+        settings = pair_settings(
+            pair,
+            control_secret=pair.config.control_secret,
+            decode_url=(lambda _: decode_url) if decode_url else None,
             **{
                 "key_secret": "security-test-key-secret",
                 "health_interval": 0.5,
@@ -119,13 +99,9 @@ async def running_cluster(
             },
         )
         app = create_app(settings, MemoryStore(10_000))
-        runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=0.5)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        runner, url = await serve(app, access_log=None, handle_signals=False, shutdown_timeout=0.5)
         client = aiohttp.ClientSession()
-        yield Cluster(pair, f"http://127.0.0.1:{port}", app, client)
+        yield Cluster(pair, url, app, client)
     finally:
         if client is not None:
             await client.close()

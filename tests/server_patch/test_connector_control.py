@@ -19,6 +19,7 @@ from kvlease.protocol import (
     ControlRenewResponse,
     Role,
 )
+from kvlease_stack.testing import control_info
 from kvlease_vllm._control import ControlServer, LeaseDesk, claim
 from kvlease_vllm._metrics import ConnectorMetrics
 from kvlease_vllm._retention import RetentionTable
@@ -35,17 +36,7 @@ class Clock:
         return self.now
 
 
-INFO = ControlInfo(
-    role=Role.DECODE,
-    engine_id="engine-d",
-    vllm_version="0.32.0",
-    kvlease_version="0.1.0",
-    bidirectional_kv_xfer=True,
-    ttl_s=20.0,
-    recompute_threshold=64,
-    block_size=16,
-    model="tiny",
-)
+INFO = control_info(Role.DECODE, engine_id="engine-d", ttl_s=20.0, model="tiny")
 
 
 @pytest.fixture

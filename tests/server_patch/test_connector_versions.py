@@ -10,33 +10,21 @@ import types
 import pytest
 
 from kvlease.protocol import ControlInfo, ControlRenewRequest, ControlRenewResponse, ProtocolError, Role
-from kvlease_router import ConfigError, NodeSpec, RouterSettings
+from kvlease_router import ConfigError
 from kvlease_router._validate import NodeFacts, plan_cluster
+from kvlease_stack.testing import control_info, placeholder_settings
 
 
-def info(**kw: object) -> ControlInfo:
-    base: dict[str, object] = dict(
-        engine_id="e",
-        vllm_version="0.33.0",
-        kvlease_version="0.2.0",
-        bidirectional_kv_xfer=True,
-        ttl_s=120.0,
-        recompute_threshold=64,
-        block_size=16,
-        model="m",
-        nixl_version="1.5.1",
-        connector_version=15,
-    )
-    base.update(kw)
-    return ControlInfo(**base)  # type: ignore[arg-type]
-
-
-def settings() -> RouterSettings:
-    return RouterSettings(
-        prefill=(NodeSpec("http://p", "http://pc"),),
-        decode=(NodeSpec("http://d", "http://dc"),),
-        control_secret="s",
-    )
+def info(role: Role, **kw: object) -> ControlInfo:
+    """A vLLM 0.33 connector's ``/info`` (NIXL 1.5.1, NIXL connector version 15)."""
+    fields: dict[str, object] = {
+        "vllm_version": "0.33.0",
+        "kvlease_version": "0.2.0",
+        "nixl_version": "1.5.1",
+        "connector_version": 15,
+        **kw,
+    }
+    return control_info(role, **fields)
 
 
 def test_info_round_trips_the_version_fields() -> None:
@@ -67,7 +55,7 @@ def test_router_refuses_mismatched_versions_naming_both_sides(
     p = NodeFacts("http://p", "m", None, info(role=Role.PREFILL, **p_kw))
     d = NodeFacts("http://d", "m", None, info(role=Role.DECODE, **d_kw))
     with pytest.raises(ConfigError) as e:
-        plan_cluster(settings(), [p], [d])
+        plan_cluster(placeholder_settings(), [p], [d])
     msg = str(e.value)
     assert f"disagree on {what}" in msg
     assert f"http://p: {p_value}" in msg and f"http://d: {d_value}" in msg
@@ -76,7 +64,7 @@ def test_router_refuses_mismatched_versions_naming_both_sides(
 def test_router_accepts_a_matched_033_pair() -> None:
     p = NodeFacts("http://p", "m", None, info(role=Role.PREFILL))
     d = NodeFacts("http://d", "m", None, info(role=Role.DECODE))
-    assert plan_cluster(settings(), [p], [d]).vllm_version == "0.33.0"
+    assert plan_cluster(placeholder_settings(), [p], [d]).vllm_version == "0.33.0"
 
 
 def test_claim_wire_claimant_and_deadlines() -> None:

@@ -11,6 +11,15 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from kvlease_stack.testing._cluster import (
+        chat_request,
+        control_info,
+        pair_settings,
+        parse_sse,
+        placeholder_settings,
+        reply_text,
+        serve,
+    )
     from kvlease_stack.testing._record import Recorded
     from kvlease_stack.testing._redis import RedisServer
     from kvlease_stack.testing._replies import Reply, render_chat
@@ -26,6 +35,13 @@ _HOME = {
     "Reply": "_replies",
     "RouterOnFakePair": "_router",
     "render_chat": "_replies",
+    "chat_request": "_cluster",
+    "control_info": "_cluster",
+    "placeholder_settings": "_cluster",
+    "pair_settings": "_cluster",
+    "parse_sse": "_cluster",
+    "reply_text": "_cluster",
+    "serve": "_cluster",
 }
 
 __all__ = [
@@ -36,7 +52,14 @@ __all__ = [
     "RedisServer",
     "Reply",
     "RouterOnFakePair",
+    "chat_request",
+    "control_info",
+    "pair_settings",
+    "parse_sse",
+    "placeholder_settings",
     "render_chat",
+    "reply_text",
+    "serve",
 ]
 
 

@@ -23,7 +23,8 @@ import orjson
 from aiohttp import web
 
 from kvlease.protocol import CHAT_COMPLETIONS_PATH, CONVERSATIONS_PATH, RENEW_PATH
-from kvlease_router import MemoryStore, NodeSpec, RouterSettings, create_app
+from kvlease_router import MemoryStore, create_app
+from kvlease_stack.testing._cluster import pair_settings, serve
 from kvlease_stack.testing._record import Recorded
 from kvlease_stack.testing._replies import Reply
 from kvlease_stack.testing.fake_vllm import FakeConfig, FakePair
@@ -72,22 +73,14 @@ class RouterOnFakePair:
 
     async def _start(self) -> None:
         pair = await self.pair.__aenter__()
-        kvlease = self.config.kvlease
-        secret = self.config.control_secret or None
-        settings = RouterSettings(
-            prefill=(NodeSpec(pair.prefill.url, pair.prefill.control if kvlease else None),),
-            decode=tuple(NodeSpec(d.url, d.control if kvlease else None) for d in pair.decodes),
-            control_secret=secret if kvlease else None,
+        settings = pair_settings(
+            pair,
+            control_secret=self.config.control_secret or None,
             **{"health_interval": 0.2, "unhealthy_for": 0.5, "startup_timeout": 10.0, **self._settings},
         )
         app = create_app(settings, MemoryStore(10_000))
         app.middlewares.insert(0, self._record)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=0.5)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.url = f"http://127.0.0.1:{port}"
+        self._runner, self.url = await serve(app, access_log=None, handle_signals=False, shutdown_timeout=0.5)
 
     async def _stop(self) -> None:
         if self._runner is not None:

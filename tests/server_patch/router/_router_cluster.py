@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import orjson
 from aiohttp import web
 
 from kvlease_router import (
@@ -16,7 +17,7 @@ from kvlease_router import (
     RouterSettings,
 )
 from kvlease_router._runtime import RouterRuntime
-from kvlease_stack.testing import FakePair
+from kvlease_stack.testing import FakePair, chat_request, parse_sse, reply_text, serve
 
 SECRET = "fake-secret"
 
@@ -45,10 +46,7 @@ class Cluster:
         **body: Any,
     ) -> tuple[aiohttp.ClientResponse, Any]:
         """One chat turn; returns (response, parsed JSON | list of SSE payload dicts)."""
-        h = dict(headers or {})
-        if cid is not None:
-            h["X-Conversation-Id"] = cid
-        payload = {"model": "fake-model", "messages": messages, "stream": stream, **body}
+        h, payload = chat_request(messages, cid=cid, stream=stream, headers=headers, **body)
         async with self.client.post(self.url + "/v1/chat/completions", json=payload, headers=h) as resp:
             raw = await resp.read()
         return resp, parse_body(raw, stream and resp.status == 200)
@@ -60,26 +58,12 @@ class Cluster:
 
 
 def parse_body(raw: bytes, sse: bool) -> Any:
-    import orjson
-
-    if not sse:
-        return orjson.loads(raw) if raw else None
-    events = []
-    for block in raw.split(b"\n\n"):
-        if not block.strip():
-            continue
-        assert block.startswith(b"data: "), block
-        data = block[6:]
-        events.append("[DONE]" if data == b"[DONE]" else orjson.loads(data))
-    return events
+    if sse:
+        return parse_sse(raw)
+    return orjson.loads(raw) if raw else None
 
 
-def assistant_text(result: Any, stream: bool) -> str:
-    if not stream:
-        return str(result["choices"][0]["message"]["content"])
-    return "".join(
-        e["choices"][0]["delta"].get("content") or "" for e in result if e != "[DONE]" and e.get("choices")
-    )
+assistant_text = reply_text  # (parsed JSON | SSE payloads, stream) -> the assistant's text
 
 
 ClusterFactory = Callable[..., Awaitable[Cluster]]
@@ -92,12 +76,8 @@ async def one_route_upstream(
     """A stand-in upstream on 127.0.0.1 answering POST ``path`` with ``handler``; yields its URL."""
     app = web.Application()
     app.router.add_post(path, handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    runner, url = await serve(app)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield url
     finally:
         await runner.cleanup()

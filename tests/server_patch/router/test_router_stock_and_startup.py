@@ -6,10 +6,10 @@ import pytest
 from _router_cluster import ClusterFactory, assistant_text
 from aiohttp import web
 
-from kvlease.protocol import HEADER_REUSED_TOKENS, HEADER_STATUS, RENEW_PATH, STATUS_PATH, ControlInfo, Role
+from kvlease.protocol import HEADER_REUSED_TOKENS, HEADER_STATUS, RENEW_PATH, STATUS_PATH, Role
 from kvlease_router import ConfigError, MemoryStore, NodeSpec, RouterSettings, create_app
 from kvlease_router._validate import NodeFacts, plan_cluster
-from kvlease_stack.testing import FakeConfig, FakePair
+from kvlease_stack.testing import FakeConfig, FakePair, control_info, pair_settings, placeholder_settings
 
 
 def stock(**kw: object) -> FakeConfig:
@@ -89,30 +89,6 @@ async def test_stock_status_says_no_renewals_and_renew_does_not_extend(make_clus
     assert cluster.pair.decode.stats["renew_calls"] == 0
 
 
-def _info(**kw: object) -> ControlInfo:
-    base: dict[str, object] = dict(
-        engine_id="e",
-        vllm_version="0.32.0",
-        kvlease_version="0.1.0",
-        bidirectional_kv_xfer=True,
-        ttl_s=120.0,
-        recompute_threshold=64,
-        block_size=16,
-        model="m",
-    )
-    base.update(kw)
-    return ControlInfo(**base)  # type: ignore[arg-type]
-
-
-def _settings(**kw: object) -> RouterSettings:
-    return RouterSettings(
-        prefill=(NodeSpec("http://p", "http://pc"),),
-        decode=(NodeSpec("http://d", "http://dc"),),
-        control_secret="s",
-        **kw,  # type: ignore[arg-type]
-    )
-
-
 @pytest.mark.parametrize(
     ("p_kw", "d_kw", "settings_kw", "message"),
     [
@@ -127,16 +103,16 @@ def _settings(**kw: object) -> RouterSettings:
     ],
 )
 def test_plan_refuses_inconsistent_clusters(p_kw: dict, d_kw: dict, settings_kw: dict, message: str) -> None:
-    p = NodeFacts("http://p", "m", "0.32.0", _info(**{"role": Role.PREFILL, **p_kw}))
-    d = NodeFacts("http://d", "m", "0.32.0", _info(**{"role": Role.DECODE, **d_kw}))
+    p = NodeFacts("http://p", "m", "0.32.0", control_info(**{"role": Role.PREFILL, **p_kw}))
+    d = NodeFacts("http://d", "m", "0.32.0", control_info(**{"role": Role.DECODE, **d_kw}))
     with pytest.raises(ConfigError, match=message):
-        plan_cluster(_settings(**settings_kw), [p], [d])
+        plan_cluster(placeholder_settings(**settings_kw), [p], [d])
 
 
 def test_plan_ok_uses_decode_ttl_minus_margin() -> None:
-    p = NodeFacts("http://p", "m", "0.32.0", _info(role=Role.PREFILL, ttl_s=30.0))
-    d = NodeFacts("http://d", "m", "0.32.0", _info(role=Role.DECODE, ttl_s=200.0))
-    plan = plan_cluster(_settings(ttl_margin=10.0), [p], [d])
+    p = NodeFacts("http://p", "m", "0.32.0", control_info(Role.PREFILL, ttl_s=30.0))
+    d = NodeFacts("http://d", "m", "0.32.0", control_info(Role.DECODE, ttl_s=200.0))
+    plan = plan_cluster(placeholder_settings(ttl_margin=10.0), [p], [d])
     assert plan.ttl == 190.0 and plan.decode_ttl == 200.0 and plan.block_size == 16 and plan.reuse
 
 
@@ -168,12 +144,7 @@ def test_node_urls_must_be_http() -> None:
 async def test_router_refuses_to_start_when_p_and_d_disagree() -> None:
     async with FakePair(FakeConfig()) as pair:
         pair.decode.config = FakeConfig(block_size=32)
-        settings = RouterSettings(
-            prefill=(NodeSpec(pair.prefill.url, pair.prefill.control),),
-            decode=(NodeSpec(pair.decode.url, pair.decode.control),),
-            control_secret="fake-secret",
-            startup_timeout=1.0,
-        )
+        settings = pair_settings(pair, control_secret="fake-secret", startup_timeout=1.0)
         runner = web.AppRunner(create_app(settings, MemoryStore()))
         with pytest.raises(ConfigError, match="block size"):
             await runner.setup()
@@ -182,12 +153,7 @@ async def test_router_refuses_to_start_when_p_and_d_disagree() -> None:
 
 async def test_router_refuses_wrong_control_secret() -> None:
     async with FakePair(FakeConfig()) as pair:
-        settings = RouterSettings(
-            prefill=(NodeSpec(pair.prefill.url, pair.prefill.control),),
-            decode=(NodeSpec(pair.decode.url, pair.decode.control),),
-            control_secret="wrong",
-            startup_timeout=0.5,
-        )
+        settings = pair_settings(pair, control_secret="wrong", startup_timeout=0.5)
         runner = web.AppRunner(create_app(settings, MemoryStore()))
         with pytest.raises(ConfigError, match="401"):
             await runner.setup()

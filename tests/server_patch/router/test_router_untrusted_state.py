@@ -22,7 +22,7 @@ from kvlease.protocol import (
 from kvlease_router import ConversationRecord, MemoryStore, RedisStore, redis_client_from_url
 from kvlease_router._identity import ANONYMOUS_TENANT
 from kvlease_router._store import RecordSeal
-from kvlease_stack.testing import RedisServer
+from kvlease_stack.testing import RedisServer, serve
 
 KEY_SECRET = "test-key-secret"  # the cluster fixture's key secret
 
@@ -39,13 +39,9 @@ async def thief() -> AsyncIterator[tuple[str, list[dict[str, Any]]]]:
     app = web.Application()
     for path in (CONTROL_RENEW_PATH, CONTROL_RELEASE_PATH):
         app.router.add_post(path, record)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    runner, url = await serve(app)
     try:
-        yield f"http://127.0.0.1:{port}", seen
+        yield url, seen
     finally:
         await runner.cleanup()
 
