@@ -3,7 +3,7 @@
 Drives the router's renew handler directly (the request body as the SDK keeper sends it: one batch
 of :data:`kvlease.protocol.RENEW_MAX_IDS` ids) and reads this process's CPU time, so the figure is
 the router's own work: parsing and validating the ids, keying them (HMAC), one ``get_many`` on the
-in-memory store, grouping by decode node, folding D's answers, one ``put_many`` and the answer.
+in-memory store, grouping by decode node, folding D's answers, one ``renew_many`` (deadlines only) and the answer.
 aiohttp's HTTP parsing and the decode node's work are not in it (D's control call is a stub that
 renews everything). Two cases:
 

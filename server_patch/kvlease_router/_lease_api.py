@@ -8,20 +8,23 @@ Bounded cost, whatever the caller sends:
 
 * at most :data:`~kvlease.protocol.RENEW_MAX_IDS` ids a request (the SDK keeper's batch size is the
   same constant), keyed from one HMAC state, read with one ``get_many`` (one Redis ``MGET``) and
-  written back with one ``put_many`` (one pipeline);
+  written back with one ``renew_many`` (one pipeline; only the deadline changes) and, for leases
+  gone, one ``put_many``;
 * a per-tenant budget of ids a second (:class:`~kvlease_router._ratelimit.TenantBuckets`): past it
   ``429`` with ``Retry-After``;
 * a store error is ``503`` with ``Retry-After`` (the SDK retries), never ``200`` with every id
   ``unknown``: ``unknown`` means only that the lease is really gone;
 * a control URL from a stored record is only a key into the configured decode control endpoints: a
   record naming any other URL counts as holding no lease (nothing is sent there).
+
+The decisions are the lease core's (:mod:`kvlease_router._lease_core`); this module does the IO.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import defaultdict
+from collections.abc import Mapping
 
 import aiohttp
 import orjson
@@ -39,6 +42,7 @@ from kvlease.protocol import (
     validate_conversation_id,
 )
 from kvlease_router._identity import tenant_from
+from kvlease_router._lease_core import LeaseSettings, plan_release, plan_renew, settle_renew
 from kvlease_router._ratelimit import TenantBuckets
 from kvlease_router._runtime import JSON_CT, RouterRuntime, error_response, log
 from kvlease_router._store import ConversationRecord, PutItem, StoreError
@@ -59,14 +63,26 @@ def _store_unavailable(router: RouterRuntime, e: StoreError) -> web.Response:
     )
 
 
+def lease_settings(router: RouterRuntime, ttl: float) -> LeaseSettings:
+    """The lease core's settings (``ttl``: the cluster plan's; a release needs none)."""
+    s = router.settings
+    return LeaseSettings(s.kvlease_mode, ttl, s.ttl_margin, s.expired_grace, router.configured_control)
+
+
 async def _renew_on(
-    router: RouterRuntime, control: str, lease_ids: list[str], tenant_tag: str | None = None
-) -> dict[str, float | None] | None:
-    """D's new ``expires_in`` per lease id, or ``None`` when the control call failed."""
+    router: RouterRuntime,
+    control: str,
+    lease_ids: list[str],
+    tenant_tag: str | None = None,
+    ask: float | None = None,
+) -> Mapping[str, float | None] | None:
+    """D's new ``expires_in`` per lease id, or ``None`` when the control call failed (``ask``: the
+    ``expires_in`` asked of D, by default the router's TTL plus the margin)."""
+    if ask is None:
+        ask = router.ttl + router.settings.ttl_margin
     try:
-        ttl = router.ttl + router.settings.ttl_margin
-        answer = await router.control(control).renew(lease_ids, ttl, tenant=tenant_tag)
-        return dict(answer.expires_in)
+        answer = await router.control(control).renew(lease_ids, ask, tenant=tenant_tag)
+        return answer.expires_in
     except (aiohttp.ClientError, asyncio.TimeoutError, ControlCallError, ProtocolError) as e:
         router.metrics.upstream_errors["control"].inc()
         router.metrics.renewals["failed"].inc(len(lease_ids))
@@ -96,87 +112,51 @@ async def handle_renew(request: web.Request, router: RouterRuntime) -> web.Respo
         )
     keys = router.keyer.keys(tenant, ids)
     try:
-        states = await router.store.get_many(keys)
+        records = await router.store.get_many(keys)
     except StoreError as e:
         return _store_unavailable(router, e)
-    now = time.time()
-    kvlease = router.settings.kvlease_mode
-    leases: dict[str, float | None] = {}
-    by_control: dict[str, list[int]] = defaultdict(list)  # control URL -> indexes into ids
-    writes: list[PutItem] = []
-    for i, (cid, state) in enumerate(zip(ids, states)):
-        if state is None or state.params is None or state.expires_at <= now:
-            leases[cid] = None
-        elif not kvlease:
-            leases[cid] = state.expires_in(now)  # stock vLLM: no renewal, remaining time only
-        elif (
-            state.lease_id and (control := router.configured_control(state.control, state.decode)) is not None
-        ):
-            by_control[control].append(i)
-        else:  # a handle without a lease, or naming a control URL not configured: nothing to renew
-            leases[cid] = None
-            router.metrics.renewals["unknown"].inc()
-            writes.append((keys[i], state.without_handle(), router.keep_for))
-    if by_control:
+    settings = lease_settings(router, router.ttl)
+    plan = plan_renew(ids, records, time.time(), settings)
+    answers: dict[str, Mapping[str, float | None] | None] = {}
+    if plan.calls:
         tag = router.keyer.tenant_tag(tenant)
-        controls = list(by_control)
-        lease_ids = [[_lease_id(states[i]) for i in by_control[c]] for c in controls]
-        answers = await asyncio.gather(*(_renew_on(router, c, ls, tag) for c, ls in zip(controls, lease_ids)))
-        _apply(router, now, ids, keys, states, by_control, controls, answers, leases, writes)
-    if writes:
-        try:
-            await router.store.put_many(writes)
-        except StoreError as e:  # D renewed but the router would not know: the caller retries
-            return _store_unavailable(router, e)
-    body = RenewResponse({cid: leases[cid] for cid in ids}, router.ttl).to_json()
+        controls = list(plan.calls)
+        got = await asyncio.gather(
+            *(_renew_on(router, c, plan.lease_ids[c], tag, settings.ask) for c in controls)
+        )
+        answers = dict(zip(controls, got))
+    result = settle_renew(plan, answers, settings)
+    if result.renewed:
+        router.metrics.renewals["renewed"].inc(result.renewed)
+    if result.drops:
+        router.metrics.renewals["unknown"].inc(len(result.drops))
+    try:
+        await _write_back(router, plan.now, keys, records, result.renewals, result.drops, settings)
+    except StoreError as e:  # D renewed but the router would not know: the caller retries
+        return _store_unavailable(router, e)
+    body = RenewResponse(result.leases, settings.ttl).to_json()
     return web.Response(body=orjson.dumps(body), content_type=JSON_CT)
 
 
-def _apply(
+async def _write_back(
     router: RouterRuntime,
     now: float,
-    ids: list[str],
     keys: list[str],
-    states: list[ConversationRecord | None],
-    by_control: dict[str, list[int]],
-    controls: list[str],
-    answers: list[dict[str, float | None] | None],
-    leases: dict[str, float | None],
-    writes: list[PutItem],
+    records: list[ConversationRecord | None],
+    renewals: dict[float, list[int]],
+    drops: list[int],
+    settings: LeaseSettings,
 ) -> None:
-    """Fold D's answers into the lease table of the reply and the records to write back."""
-    margin = router.settings.ttl_margin
-    ttl, grace = router.ttl, router.settings.expired_grace
-    renewed = unknown = 0
-    write = writes.append
-    for control, answer in zip(controls, answers):
-        for i in by_control[control]:
-            cid, state = ids[i], states[i]
-            assert state is not None and state.lease_id is not None
-            if answer is None:  # D unreachable: the lease was not extended
-                leases[cid] = state.expires_at - now
-                continue
-            d_left = answer.get(state.lease_id)
-            if d_left is None or d_left <= margin:
-                leases[cid] = None
-                unknown += 1
-                write((keys[i], state.without_handle(), router.keep_for))
-                continue
-            left = d_left - margin
-            if left > ttl:
-                left = ttl
-            leases[cid] = left
-            renewed += 1
-            write((keys[i], state.with_expiry(now + left), left + grace))
-    if renewed:
-        router.metrics.renewals["renewed"].inc(renewed)
-    if unknown:
-        router.metrics.renewals["unknown"].inc(unknown)
-
-
-def _lease_id(state: ConversationRecord | None) -> str:
-    assert state is not None and state.lease_id is not None
-    return state.lease_id
+    """The renewed records' new deadlines (one ``renew_many`` per deadline: one, when D renews
+    alike) and the records that lost their handle (one ``put_many``)."""
+    store, grace = router.store, settings.expired_grace
+    for left, indexes in renewals.items():
+        renewed = list(map(records.__getitem__, indexes))
+        await store.renew_many(list(map(keys.__getitem__, indexes)), renewed, now + left, left + grace)  # type: ignore[arg-type]
+    if drops:
+        keep_for = settings.keep_for
+        writes: list[PutItem] = [(keys[i], records[i].without_handle(), keep_for) for i in drops]  # type: ignore[union-attr]
+        await store.put_many(writes)
 
 
 async def handle_release(request: web.Request, router: RouterRuntime) -> web.Response:
@@ -187,13 +167,12 @@ async def handle_release(request: web.Request, router: RouterRuntime) -> web.Res
         return error_response(400, str(e))
     key = router.keyer.key(tenant_from(request.headers, router.settings.tenant_header), cid)
     try:
-        state = await router.store.delete(key)
+        record = await router.store.delete(key)
     except StoreError as e:  # say so; the lease lapses on its own
         return _store_unavailable(router, e)
+    plan = plan_release(record, lease_settings(router, 0.0))
     released = False
-    if state is not None and state.control and state.lease_id and router.settings.kvlease_mode:
-        control = router.configured_control(state.control, state.decode)
-        if control is not None:  # else: a record naming an unknown host; send it nothing
-            released = await router.release_on_decode(control, [state.lease_id])
-    body = ReleaseResponse(cid, known=state is not None, released=released).to_json()
+    if plan.control is not None:
+        released = await router.release_on_decode(plan.control, list(plan.lease_ids))
+    body = ReleaseResponse(cid, known=plan.known, released=released).to_json()
     return web.Response(body=orjson.dumps(body), content_type=JSON_CT)

@@ -128,6 +128,24 @@ class RedisStore:
                 pipe.set(self._prefix + key, self._seal.seal(key, state), px=ms)
         await self._call(pipe.execute())
 
+    async def renew_many(
+        self, keys: Sequence[str], records: Sequence[ConversationRecord], expires_at: float, keep_for: float
+    ) -> None:
+        """One pipeline of ``SET XX``: the record is re-sealed with its new lease end (the MAC covers
+        it), and a key gone meanwhile (expired, released) is not brought back."""
+        if not keys:
+            return
+        ms = int(keep_for * 1000)
+        pipe = self._client.pipeline(transaction=False)
+        p, seal = self._prefix, self._seal.seal
+        if ms <= 0:
+            for key in keys:
+                pipe.delete(p + key)
+        else:
+            for key, record in zip(keys, records):
+                pipe.set(p + key, seal(key, record.with_expiry(expires_at)), px=ms, xx=True)
+        await self._call(pipe.execute())
+
     async def delete(self, key: str) -> ConversationRecord | None:
         raw = await self._call(self._client.getdel(self._prefix + key))
         return self._seal.open(key, raw)

@@ -9,6 +9,11 @@ A store maps a tenant-scoped conversation key (see ``_identity``) to the last
 * ``get`` never extends the TTL. ``delete`` returns what it removed.
 * ``get_many`` / ``put_many`` are the batched twins (one round trip: a renew's thousands of ids
   cost one ``MGET`` and one pipeline, not one call each).
+* ``renew_many(keys, records, expires_at, keep_for)`` renews records read by ``get_many``: each key
+  still present gets the lease end ``expires_at`` (nothing else of its record changes) and lives
+  ``keep_for`` more seconds, in one round trip; a key gone meanwhile (expired, released) stays
+  gone. The memory store updates its entries in place (a record a turn replaced meanwhile is left
+  as it is); Redis rewrites the re-sealed records with ``SET XX`` (the renewal wins).
 * A backend failure raises :class:`StoreError`; callers degrade to the miss path.
 
 What a shared backend (Redis) holds is untrusted: :class:`RecordSeal` MACs each record, bound to its
@@ -22,7 +27,7 @@ import hmac
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import orjson
@@ -74,7 +79,7 @@ class ConversationRecord:
         return replace(self, params=None, lease_id=None, control=None, tokens=0)
 
     def dumps(self) -> bytes:
-        return orjson.dumps(asdict(self))
+        return orjson.dumps(self)  # orjson writes a dataclass's fields itself (as ``asdict`` has them)
 
     @classmethod
     def loads(cls, raw: bytes | str) -> ConversationRecord:
@@ -161,6 +166,14 @@ class StateStore(Protocol):
         """``put`` of each ``(key, state, keep_for)``, in one round trip."""
         ...
 
+    async def renew_many(
+        self, keys: Sequence[str], records: Sequence[ConversationRecord], expires_at: float, keep_for: float
+    ) -> None:
+        """Each ``keys[i]`` still present, read by ``get_many`` as ``records[i]``: lease end
+        ``expires_at``, kept ``keep_for`` more seconds (a key gone meanwhile stays gone), in one
+        round trip."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -179,7 +192,8 @@ class MemoryStore:
             raise ValueError("max_entries must be at least 1")
         self._max = max_entries
         self._clock = clock
-        self._data: OrderedDict[str, tuple[float, ConversationRecord]] = OrderedDict()
+        #: key -> [deadline (clock seconds), the store's own copy of the record]
+        self._data: OrderedDict[str, list[Any]] = OrderedDict()
         self.evictions = 0
 
     def __len__(self) -> int:
@@ -192,21 +206,56 @@ class MemoryStore:
         item = self._data.get(key)
         if item is None:
             return None
-        deadline, state = item
-        if now >= deadline:
+        if now >= item[0]:
             del self._data[key]
             return None
         self._data.move_to_end(key)
+        state: ConversationRecord = item[1]
         return state
 
     async def get_many(self, keys: Sequence[str]) -> list[ConversationRecord | None]:
         now = self._clock()
-        return [self._get(k, now) for k in keys]
+        data, move = self._data, self._data.move_to_end
+        out: list[ConversationRecord | None] = []
+        append = out.append
+        for key in keys:  # ``_get`` of each, inlined (a renew reads thousands)
+            entry = data.get(key)
+            if entry is None:
+                append(None)
+            elif now >= entry[0]:
+                del data[key]
+                append(None)
+            else:
+                move(key)
+                append(entry[1])
+        return out
 
     async def put_many(self, items: Sequence[PutItem]) -> None:
         now = self._clock()
         for key, state, keep_for in items:
             self._put(key, state, keep_for, now)
+
+    async def renew_many(
+        self, keys: Sequence[str], records: Sequence[ConversationRecord], expires_at: float, keep_for: float
+    ) -> None:
+        """In place: the entry's deadline, and the lease end of the record this store holds (no new
+        objects: a renew rewrites thousands). A key whose record a turn replaced since ``get_many``
+        keeps the newer record as it is."""
+        now = self._clock()
+        deadline = now + keep_for
+        data = self._data  # no LRU move: ``get_many`` of this renew made them recent
+        for key, record in zip(keys, records):
+            entry = data.get(key)
+            if entry is None or entry[1] is not record:  # gone, or replaced meanwhile
+                continue
+            if now >= entry[0] or keep_for <= 0:
+                del data[key]
+                continue
+            entry[0] = deadline
+            # The one write to a stored record, and why it is safe: the store copied it on ``put``
+            # (no caller's object changes), only its lease end moves, and a holder of it (a turn
+            # or renew that read it) sees the lease as it now is.
+            record.__dict__["expires_at"] = expires_at
 
     async def put(self, key: str, state: ConversationRecord, keep_for: float) -> None:
         self._put(key, state, keep_for, self._clock())
@@ -215,17 +264,18 @@ class MemoryStore:
         if keep_for <= 0:
             self._data.pop(key, None)
             return
-        self._data[key] = (now + keep_for, state)
+        self._data[key] = [now + keep_for, state.with_expiry(state.expires_at)]  # its own copy
         self._data.move_to_end(key)
         while len(self._data) > self._max:
             self._data.popitem(last=False)
             self.evictions += 1
 
     async def delete(self, key: str) -> ConversationRecord | None:
-        item = self._data.pop(key, None)
-        if item is None or self._clock() >= item[0]:
+        entry = self._data.pop(key, None)
+        if entry is None or self._clock() >= entry[0]:
             return None
-        return item[1]
+        record: ConversationRecord = entry[1]
+        return record
 
     async def close(self) -> None:
         self._data.clear()

@@ -170,9 +170,18 @@ class RenewResponse:
     ttl: float | None = None
 
     def to_json(self) -> dict[str, Any]:
-        unknown = {"status": LEASE_UNKNOWN}  # one object for every unknown id (serialized alike)
+        # one object per distinct value, shared by every id that has it (serialized alike): a renew
+        # of 10,000 leases D renewed alike builds two objects, not 10,000
+        unknown = {"status": LEASE_UNKNOWN}
+        shared: dict[float, dict[str, float]] = {}
+
+        def known(exp: float) -> dict[str, float]:
+            item = shared[exp] = {"expires_in": round(exp, 3)}
+            return item
+
         out = {
-            cid: unknown if exp is None else {"expires_in": round(exp, 3)} for cid, exp in self.leases.items()
+            cid: unknown if exp is None else (shared.get(exp) or known(exp))
+            for cid, exp in self.leases.items()
         }
         body: dict[str, Any] = {"leases": out}
         if self.ttl is not None:
@@ -255,7 +264,8 @@ class RouterHealth:
 class RouterStatus:
     """``GET /v1/kvlease/status``: what the router runs with (keys in this order).
 
-    ``prefill`` / ``decode``: one description object per node (url, health, role facts).
+    ``prefill`` / ``decode``: one description object per node (url, health, role facts, and
+    ``transport``: the NIXL READ transport the node reported in its ``/info``, null if it did not).
     """
 
     kvlease_version: str

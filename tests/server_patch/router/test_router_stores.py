@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import pytest
 from _router_cluster import ClusterFactory, assistant_text
@@ -86,6 +87,25 @@ class StoreContract:
         await store.put_many([("a", _state(4), 0)])  # keep_for 0: a delete
         assert await store.get("a") is None
 
+    async def test_renew_many_moves_only_the_deadline(self, store: StateStore) -> None:
+        await store.put_many([("a", _state(1), 0.3), ("b", _state(2), 0.3)])
+        read = await store.get_many(["a", "b"])
+        await store.renew_many(["a", "b"], read, 1_950_000_000.0, 30)  # type: ignore[arg-type]
+        await asyncio.sleep(0.45)  # past the old keep_for
+        got = await store.get_many(["a", "b"])
+        assert got == [
+            replace(_state(1), expires_at=1_950_000_000.0),
+            replace(_state(2), expires_at=1_950_000_000.0),
+        ]
+        assert await store.renew_many([], [], 1.0, 30) is None
+
+    async def test_renew_many_does_not_bring_back_a_gone_key(self, store: StateStore) -> None:
+        await store.put("k", _state(), 30)
+        read = await store.get_many(["k"])
+        assert await store.delete("k") is not None  # released while D renewed
+        await store.renew_many(["k", "never"], [read[0], _state()], 1_950_000_000.0, 30)  # type: ignore[list-item]
+        assert await store.get_many(["k", "never"]) == [None, None]
+
 
 class TestMemoryStore(StoreContract):
     @pytest.fixture
@@ -101,6 +121,16 @@ class TestMemoryStore(StoreContract):
         assert await store.get("b") is None and store.evictions == 1
         assert all([await store.get(k) for k in "acd"])
         assert len(store) == 3
+
+    async def test_renew_many_leaves_a_record_a_turn_replaced(self) -> None:
+        store = MemoryStore(10)
+        mine = _state(1)
+        await store.put("k", mine, 30)
+        read = await store.get_many(["k"])
+        await store.put("k", _state(2), 30)  # a turn finished while D renewed
+        await store.renew_many(["k"], read, 1_950_000_000.0, 30)  # type: ignore[arg-type]
+        assert await store.get("k") == _state(2)
+        assert mine == _state(1)  # a caller's own record never changes
 
     async def test_injected_clock(self) -> None:
         now = [100.0]
@@ -119,6 +149,16 @@ class TestRedisStore(StoreContract):
         s = RedisStore(redis_client_from_url(redis_server.url, 1.0), secret=KEY_SECRET, timeout=1.0)
         yield s
         await s.close()
+
+    async def test_renewed_records_stay_sealed_with_a_new_ttl(self, redis_server: RedisServer) -> None:
+        client = redis_client_from_url(redis_server.url, 1.0)
+        store = RedisStore(client, secret=KEY_SECRET)
+        await store.put("k", _state(), 5)
+        await store.renew_many(["k"], [_state()], 1_950_000_000.0, 42)
+        assert 40_000 < await client.pttl("kvlease:conv:k") <= 42_000
+        got = await RedisStore(client, secret=KEY_SECRET).get("k")  # the MAC checks out
+        assert got == replace(_state(), expires_at=1_950_000_000.0) and store.rejected == 0
+        await store.close()
 
     async def test_keys_carry_a_ttl_in_redis(self, redis_server: RedisServer) -> None:
         client = redis_client_from_url(redis_server.url, 1.0)
