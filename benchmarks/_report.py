@@ -222,6 +222,48 @@ def _trace(r: R) -> list[Row]:
     return rows
 
 
+def _gpu_pull(r: R) -> list[Row]:
+    """One H200, real NIXL: a vLLM-shaped pull per token count, by path (``gpu_nixl_pull.py``)."""
+    rows = []
+    for row in r["rows"]:
+        k, coalesced = row["tokens"] / 1024, row["coalesced_ms"]
+        best = min(row["staged_ms"], row["staged_pregathered_ms"])
+        goal = "<= 3x coalesced" + (", <= ~20 ms" if row["tokens"] >= 24 * 1024 else "")
+        met = best <= 3 * coalesced and (row["tokens"] < 24 * 1024 or best <= 20)
+        rows.append(
+            (
+                f"{k:.0f}k tokens ({_n(row['descriptors_per_block'])} per-block descriptors): staged pull",
+                goal,
+                f"per-block {row['per_block_ms']:.1f} ms; coalesced {coalesced:.1f} ms; "
+                f"torch copy {row['torch_copy_ms']:.2f} ms",
+                f"staged {row['staged_ms']:.1f} ms, pre-gathered {row['staged_pregathered_ms']:.1f} ms "
+                f"({best / coalesced:.1f}x coalesced)" + _ok(met),
+            )
+        )
+    return rows
+
+
+def _fragmentation(r: R) -> list[Row]:
+    rows = []
+    for field, what in (
+        ("descriptors", "descriptors per pull"),
+        ("local_runs", "P's block-id runs per pull"),
+        ("remote_runs", "D's block-id runs per pull"),
+    ):
+        h = r[field]
+        mean = "—" if h["mean"] is None else f"{h['mean']:,.1f}"
+        buckets = ", ".join(f"<= {le}: {int(n)}" for le, n in h["cumulative_buckets"].items())
+        rows.append(
+            (
+                f"{what}, mean over {h['pulls']} pulls",
+                "—",
+                "1 run: one READ per region",
+                f"{mean} ({buckets})",
+            )
+        )
+    return rows
+
+
 SUMMARIES: dict[str, Callable[[R], list[Row]]] = {
     "sdk": _sdk,
     "keeper": _keeper,
@@ -231,6 +273,12 @@ SUMMARIES: dict[str, Callable[[R], list[Row]]] = {
     "plugin": _plugin,
     "ttft": _ttft,
     "trace": _trace,
+    "gpu_pull": _gpu_pull,
+    "fragmentation": _fragmentation,
+}
+#: Titles of results that ``run.py`` does not run (measured by their own script elsewhere).
+OTHER_TITLES = {
+    "gpu_pull": "GPU pull on one H200 (real NIXL): per-block vs coalesced vs staged, 32B-class layout",
 }
 
 
@@ -265,7 +313,8 @@ def rows_for(name: str, result: Any) -> list[Row]:
 
 
 def _machine(m: Mapping[str, Any]) -> str:
-    return f"{m.get('cores', '?')} cores ({m.get('cpu') or 'unknown CPU'}), {m.get('memory', '?')}, Python {m.get('python', '?')}"
+    gpu = f", {m['gpu']}" if m.get("gpu") else ""
+    return f"{m.get('cores', '?')} cores ({m.get('cpu') or 'unknown CPU'}){gpu}, {m.get('memory', '?')}, Python {m.get('python', '?')}"
 
 
 def _cell(s: object) -> str:
@@ -381,7 +430,7 @@ def render_markdown(
 ) -> str:
     """RESULTS.md for ``results`` (the content of results.json): ``titles`` name -> section title,
     ``plots`` name -> [(file, caption)], ``real_stack`` the names measured on the real vLLM stack."""
-    titles = titles or {}
+    titles = {**(titles or {}), **{k: v for k, v in OTHER_TITLES.items() if k not in (titles or {})}}
     plots = plots or {}
     order = [n for n in titles if n in results] + [n for n in results if n not in titles]
     lines = [

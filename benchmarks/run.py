@@ -48,6 +48,11 @@ BENCHMARKS: dict[str, tuple[str, str, bool]] = {
     "plugin": ("bench_plugin_stream", "vLLM plugin: streaming overhead (stand-in stream generator)", False),
     "ttft": ("turn_ttft", "Turn-2 prefill time: kvlease pull vs recompute vs upstream pull", True),
     "trace": ("trace_replay", "Trace replay with tool pauses: reuse share and TTFT, three arms", True),
+    "fragmentation": (
+        "fragmentation",
+        "Pull fragmentation under the trace's agents: descriptors and block-id runs",
+        True,
+    ),
 }
 
 

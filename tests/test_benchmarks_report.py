@@ -148,3 +148,21 @@ def test_run_report_only_renders_without_running(tmp_path: Path, monkeypatch: py
     assert "## Analyzer" in (tmp_path / "RESULTS.md").read_text()
     sys.modules.pop("run", None)
     sys.modules.pop("_report", None)
+
+
+def test_gpu_pull_and_fragmentation_sections(report: Any) -> None:
+    """The stored H200 table renders per token count against the <= 3x-coalesced goal, and the
+    fragmentation histograms (a real-stack result) render their buckets."""
+    stored = json.loads((BENCH / "results.json").read_text())
+    frag = {
+        f: {"pulls": 3, "mean": m, "cumulative_buckets": {"1.0": 1.0, "+Inf": 3.0}}
+        for f, m in (("descriptors", 4096.0), ("local_runs", 2.0), ("remote_runs", None))
+    }
+    md = report.render_markdown(
+        {"gpu_pull": stored["gpu_pull"], "fragmentation": _entry("fragmentation", frag)}
+    )
+    assert "## GPU pull on one H200" in md
+    at_24k = next(r for r in _rows(md) if r[0].startswith("24k tokens"))
+    assert at_24k[1] == "<= 3x coalesced, <= ~20 ms" and "coalesced 8.6 ms" in at_24k[2]
+    assert "per-block 635.9 ms" in at_24k[2] and at_24k[3].endswith("(met)")
+    assert "descriptors per pull, mean over 3 pulls" in md and "<= +Inf: 3" in md

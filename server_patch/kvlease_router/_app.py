@@ -198,9 +198,14 @@ def _status(router: RouterRuntime) -> RouterStatus:
         store=router.store.name,
         tenant_header=s.tenant_header,
         uptime_s=round(time.time() - router.started_at, 3),
-        prefill=tuple(n.describe(now) for n in router.upstreams.prefill.nodes),
-        decode=tuple(n.describe(now) for n in router.upstreams.decode.nodes),
+        prefill=tuple(_describe(n, now) for n in router.upstreams.prefill.nodes),
+        decode=tuple(_describe(n, now) for n in router.upstreams.decode.nodes),
     )
+
+
+def _describe(node: Node, now: float) -> dict[str, object]:
+    """A node in the status: its description and the READ transport its ``/info`` reported."""
+    return {**node.describe(now), "transport": None if node.info is None else node.info.transport}
 
 
 def create_app(

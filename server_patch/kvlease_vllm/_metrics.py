@@ -6,12 +6,19 @@ does not export; so the counters live in their own registry and the control endp
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from kvlease_vllm._layout import PullShape
 from kvlease_vllm._verify import Reason
 
 __all__ = ["CONTENT_TYPE_LATEST", "ConnectorMetrics"]
+
+#: Descriptors vLLM's worker posts per pull (regions x blocks): 1k tokens of a 64-layer model are
+#: 8,192, 24k are 196,608.
+_DESCRIPTOR_BUCKETS = (64, 256, 1024, 4096, 16384, 65536, 131072, 262144, 524288, 1048576)
+#: Contiguous runs of block ids on one side of a pull (1: one run, coalescible to one READ per region).
+_RUN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
 
 class ConnectorMetrics:
@@ -42,6 +49,19 @@ class ConnectorMetrics:
             ["cause"],
             registry=r,
         )
+        self.pull_descriptors = Histogram(
+            "kvlease_pull_descriptors",
+            "NIXL descriptors vLLM's worker posts per pull on a prefill node (KV regions x blocks)",
+            buckets=_DESCRIPTOR_BUCKETS,
+            registry=r,
+        )
+        self.pull_runs = Histogram(
+            "kvlease_pull_block_runs",
+            "Contiguous runs of block ids per pull, by side (local: P's destination, remote: D's source)",
+            ["side"],
+            buckets=_RUN_BUCKETS,
+            registry=r,
+        )
         self.leases = Gauge("kvlease_leases", "Leases held on this decode node", registry=r)
         self.retained_blocks = Gauge("kvlease_retained_blocks", "KV blocks retained for leases", registry=r)
         self.capacity_blocks = Gauge("kvlease_retained_blocks_cap", "Cap on retained KV blocks", registry=r)
@@ -51,6 +71,13 @@ class ConnectorMetrics:
             self.renewals.labels(result)
         for cause in ("request", "cap", "pressure", "not_retained"):
             self.releases.labels(cause)
+        for side in ("local", "remote"):
+            self.pull_runs.labels(side)
+
+    def observe_pull_shape(self, shape: PullShape) -> None:
+        self.pull_descriptors.observe(shape.descriptors)
+        self.pull_runs.labels("local").observe(shape.local_runs)
+        self.pull_runs.labels("remote").observe(shape.remote_runs)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

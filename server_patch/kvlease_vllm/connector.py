@@ -20,6 +20,7 @@ Overridden (signatures pinned by a test against the sources of vLLM 0.32 and 0.3
 from __future__ import annotations
 
 import math
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -56,6 +57,7 @@ from kvlease_vllm._guards import (
     request_mm_digest,
     uncovered_inputs,
 )
+from kvlease_vllm._layout import kv_regions, pull_shape, transport_advice
 from kvlease_vllm._metrics import ConnectorMetrics
 from kvlease_vllm._retention import RetentionTable
 from kvlease_vllm._verify import (
@@ -147,6 +149,9 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
             int(parallel.prefill_context_parallel_size or 1),
         )
         self.hybrid = bool(self._is_hma_required)
+        self.kv_regions = kv_regions(kv_cache_config)  # registered KV tensors: layers x (K, V)
+        buffer = getattr(vllm_config.kv_transfer_config, "kv_buffer_device", None)
+        level, self.transport = transport_advice(PLATFORM_DEVICE_TYPE, os.environ, buffer)
         self._pulls: dict[str, _Pull] = {}
         self._prefill_t0: dict[str, tuple[float, int]] = {}
         #: Blocks each waiting request asked about this step still needs (dropped once allocated):
@@ -178,6 +183,7 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
         warning = no_secret_warning(cfg, self.secret, kv_role)
         if warning:
             logger.warning("kvlease: %s", warning)
+        logger.log(level, "kvlease: NIXL READ transport: %s", self.transport)
 
     def _info(self) -> ControlInfo:
         kv_role = self.vllm_config.kv_transfer_config.kv_role  # type: ignore[union-attr]
@@ -196,6 +202,7 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
             nixl_version=NIXL_VERSION,
             connector_version=int(NIXL_CONNECTOR_VERSION),
             data_parallel_index=self.dp_index,
+            transport=self.transport,
         )
 
     # ------------------------------------------------------------------ P side
@@ -413,7 +420,22 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
         pull = self._pulls.get(request.request_id)
         if pull is not None and pull.handle is not None and pull.started is not None and not pull.trimmed:
             self._trim_final(request, pull, num_external_tokens)
+            if self._pulls[request.request_id].handle is not None:  # not declined by the trim
+                self._observe_shape(request, blocks, num_external_tokens)
         super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def _observe_shape(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
+        """Observability only: descriptors and block-id runs (P: upstream's unhashed blocks, D: handle)."""
+        try:
+            local = blocks.get_unhashed_block_ids_all_groups()
+            remote = (request.kv_transfer_params or {}).get(KV.REMOTE_BLOCK_IDS) or ()
+            shape = pull_shape(local, remote, self.kv_regions)
+        except Exception as e:  # never let a figure change the pull
+            logger.debug("kvlease %s: no pull shape (%s)", request.request_id, e)
+            return
+        self.metrics.observe_pull_shape(shape)
+        rid, regions = request.request_id, self.kv_regions
+        logger.info("kvlease %s: pull of %d tokens: %s", rid, num_external_tokens, shape.describe(regions))
 
     def _trim_final(self, request: Request, pull: _Pull, num_external_tokens: int) -> None:
         """Cut the handle to the scheduler's final external count (0.33's ``cap_external_hit`` and

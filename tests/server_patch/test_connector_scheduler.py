@@ -521,3 +521,74 @@ def test_own_block_refs_off_keeps_upstreams_delayed_free(connector: Any) -> None
         assert delay is True
     finally:
         sched.shutdown()
+
+
+class _Blocks:
+    """vLLM's ``KVCacheBlocks``, reduced to the one method the connector's pull shape reads."""
+
+    def __init__(self, *groups: list[int]) -> None:
+        self.groups = [list(g) for g in groups]
+
+    def get_unhashed_block_ids_all_groups(self) -> list[list[int]]:
+        return self.groups
+
+
+def test_pull_reports_its_shape_in_metrics_and_the_log_line(
+    connector: Any, claims: list, caplog: pytest.LogCaptureFixture
+) -> None:
+    conn = scheduler(connector, control_secret=SECRET)
+    sched = conn.connector_scheduler
+    try:
+        req = _Request("p-1", D_TOKENS + NEW_TURN, d_handle())
+        assert ask(sched, req) == (len(D_TOKENS), True)
+        with caplog.at_level(logging.INFO):
+            # P's destination blocks in 2 runs; D's trimmed handle is [100..104], 1 run
+            sched.update_state_after_alloc(req, _Blocks([7, 8, 9, 20, 21]), 5 * BS)
+        assert sched.kv_regions == 8  # 4 layers x (K, V)
+        text = sched.metrics.render().decode()
+        assert "kvlease_pull_descriptors_sum 40.0" in text  # 8 regions x 5 blocks
+        assert 'kvlease_pull_block_runs_sum{side="local"} 2.0' in text
+        assert 'kvlease_pull_block_runs_sum{side="remote"} 1.0' in text
+        assert (
+            "pull of 80 tokens: 40 descriptors (8 KV regions x blocks), block-id runs P 2 / D 1"
+            in caplog.text
+        )
+        assert sched.allocated[-1][1] == 5 * BS  # upstream's allocation is unchanged
+    finally:
+        sched.shutdown()
+
+
+def test_pull_shape_never_breaks_the_pull(connector: Any, claims: list) -> None:
+    conn = scheduler(connector, control_secret=SECRET)
+    sched = conn.connector_scheduler
+    try:
+        req = _Request("p-1", D_TOKENS + NEW_TURN, d_handle())
+        ask(sched, req)
+        sched.update_state_after_alloc(req, object(), 5 * BS)  # blocks of an unknown shape
+        assert sched.allocated[-1][1] == 5 * BS
+        assert "kvlease_pull_descriptors_count 0.0" in sched.metrics.render().decode()
+    finally:
+        sched.shutdown()
+
+
+def test_transport_is_logged_at_start_and_reported_in_info(
+    connector: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    monkeypatch.delenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", raising=False)
+    with caplog.at_level(logging.INFO):
+        sched = scheduler(connector, control_secret=SECRET).connector_scheduler
+    try:
+        warned = [r for r in caplog.records if "NIXL READ transport" in r.getMessage()]
+        assert [r.levelno for r in warned] == [logging.WARNING]
+        assert "UCX_CUDA_IPC_ENABLE_GET_ZCOPY" in warned[0].getMessage()
+        assert sched._info().transport == sched.transport
+        assert "TCP emulation" in sched._info().to_json()["transport"]
+    finally:
+        sched.shutdown()
+    monkeypatch.setenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "on")
+    sched = scheduler(connector, control_secret=SECRET).connector_scheduler
+    try:
+        assert sched.transport.startswith("cuda_ipc zero-copy")
+    finally:
+        sched.shutdown()

@@ -271,3 +271,24 @@ def test_block_pool_api_for_own_block_references(upstream: ClassIndex) -> None:
     # the scheduler hands the output to the connector before it frees finished_sending requests
     i = sched.index("self.connector.update_connector_output(kv_connector_output)")
     assert sched.index("for req_id in kv_connector_output.finished_sending or ():", i) > i
+
+
+def test_kv_cache_blocks_method_the_pull_shape_reads(upstream: ClassIndex) -> None:
+    """The pull shape (``_observe_shape``) reads P's destination ids as upstream's own
+    ``update_state_after_alloc`` does: ``KVCacheBlocks.get_unhashed_block_ids_all_groups()``; and
+    the KV regions from ``KVCacheConfig.kv_cache_groups[*].layer_names``."""
+    root: Path = upstream.root  # type: ignore[attr-defined]
+    index = ClassIndex()
+    index.add(root / "v1" / "core" / "kv_cache_manager.py")
+    blocks = index.resolve("KVCacheBlocks")
+    assert blocks is not None and "get_unhashed_block_ids_all_groups" in _methods(blocks)
+    assert _params(_methods(blocks)["get_unhashed_block_ids_all_groups"]) == [
+        ("self", "POSITIONAL_OR_KEYWORD")
+    ]
+    pull = (
+        root / "distributed" / "kv_transfer" / "kv_connector" / "v1" / "nixl" / "pull_scheduler.py"
+    ).read_text()
+    assert "blocks.get_unhashed_block_ids_all_groups()" in pull
+    kv = _class_fields(root / "v1" / "kv_cache_interface.py", "KVCacheConfig")
+    assert "kv_cache_groups" in kv
+    assert "layer_names" in _class_fields(root / "v1" / "kv_cache_interface.py", "KVCacheGroupSpec")

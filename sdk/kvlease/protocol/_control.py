@@ -51,6 +51,9 @@ class ControlInfo:
     connector_version: int | None = None
     #: This engine's data-parallel index (each rank runs its own control endpoint, port + index).
     data_parallel_index: int = 0
+    #: The NIXL READ transport this node's configuration leads to, in words (or why it may fall back
+    #: to TCP emulation), as logged at start-up. None: an older node that does not report it.
+    transport: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -67,6 +70,7 @@ class ControlInfo:
             "nixl_version": self.nixl_version,
             "connector_version": self.connector_version,
             "data_parallel_index": self.data_parallel_index,
+            "transport": self.transport,
         }
 
     @classmethod
@@ -83,6 +87,7 @@ class ControlInfo:
         model = data.get("model")
         nixl = data.get("nixl_version")
         cv = data.get("connector_version")
+        transport = data.get("transport")
         return cls(
             role=role,
             engine_id=str(data.get("engine_id", "")),
@@ -101,6 +106,7 @@ class ControlInfo:
                 if data.get("data_parallel_index") is not None
                 else 0
             ),
+            transport=transport[:500] if isinstance(transport, str) and transport else None,
         )
 
 
