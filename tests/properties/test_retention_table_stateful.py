@@ -192,14 +192,17 @@ class MemoryStoreMachine(RuleBasedStateMachine):
         if got is None:
             return  # expired, evicted or never put
         state, end = self.last[key]
-        assert got is state, "a stale or foreign state came back"
+        # the store keeps its own copy of what was put (renewals move its deadline in place), so
+        # compare by value: every put carries its own ``tokens`` (n), so a stale or foreign
+        # record never compares equal
+        assert got == state, "a stale or foreign state came back"
         assert self.now < end, "an entry outlived its keep_for"
 
     @rule(key=KEYS)
     def delete(self, key: str) -> None:
         got = _run(self.store.delete(key))
         if got is not None:
-            assert got is self.last[key][0] and self.now < self.last[key][1]
+            assert got == self.last[key][0] and self.now < self.last[key][1]
         self.last.pop(key, None)
         assert _run(self.store.get(key)) is None
 
