@@ -8,7 +8,10 @@ measured. Arms:
 - ``pull``: with D's handle (kvlease: verified pull; upstream: pull by length),
 - ``recompute``: the same turn 2 without a handle (P recomputes what its prefix cache lacks),
 - ``edited`` (kvlease only): an earlier token of the history edited, so only the blocks before the
-  edit verify; kvlease pulls those and recomputes the rest.
+  edit verify; kvlease pulls those and recomputes the rest;
+- ``stripped`` (kvlease only): the first half of D's answer (its reasoning) left out of the resent
+  history, as frameworks that drop reasoning do: the whole turn-1 prompt verifies and is pulled, the
+  rest is recomputed (the SDK leaves reuse on for this behind the kvlease connector).
 
 Each configuration runs with P's prefix cache off and on; figures are medians of ``n`` conversations,
 every conversation with its own ``cache_salt``. A pull takes a few hundred ms here and varies by tens
@@ -99,6 +102,8 @@ def _trial(
         history = prompt1 + gen1
         history[len(history) // 2] = 4001 if history[len(history) // 2] != 4001 else 4002
         out["edited"] = _p_time(http, stack, history + new, handle, salt)
+        gen1, handle = _turn1(http, stack, prompt1, salt := uuid.uuid4().hex)
+        out["stripped"] = _p_time(http, stack, prompt1 + gen1[GEN // 2 :] + new, handle, salt)
     return out
 
 
@@ -190,15 +195,19 @@ def pull_vs_upstream(results: dict[str, Any]) -> dict[str, Any]:
 
 def table(result: dict[str, Any]) -> str:
     lines = [f"turn-2 prefill time on P, model {result['model']}, median of {result['n']} (ms)", ""]
-    head = f"{'configuration':28s} {'history':>8s} {'recompute':>10s} {'pull':>8s} {'edited':>8s} {'speedup':>8s}"
+    head = (
+        f"{'configuration':28s} {'history':>8s} {'recompute':>10s} {'pull':>8s} {'edited':>8s} "
+        f"{'stripped':>9s} {'speedup':>8s}"
+    )
     lines += [head, "-" * len(head)]
     for key, by_size in result["results"].items():
         for size, arms in by_size.items():
             rec, pull = arms.get("recompute", float("nan")), arms.get("pull", float("nan"))
-            edited = arms.get("edited")
+            edited, stripped = arms.get("edited"), arms.get("stripped")
             lines.append(
                 f"{key:28s} {size:8d} {rec:10.0f} {pull:8.0f} "
-                f"{(f'{edited:8.0f}' if edited is not None else '       -')} {rec / pull:7.1f}x"
+                f"{(f'{edited:8.0f}' if edited is not None else '       -')} "
+                f"{(f'{stripped:9.0f}' if stripped is not None else '        -')} {rec / pull:7.1f}x"
             )
     for mode, by_size in result.get("pull_vs_upstream", {}).items():
         if isinstance(by_size, dict):
