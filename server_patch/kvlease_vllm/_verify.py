@@ -25,6 +25,7 @@ from kvlease.protocol import (
     PARALLEL_FIELDS,
     LeaseHandleExt,
     ProtocolError,
+    ReuseStatus,
     TransferParams,
     block_hashes,
     common_prefix_blocks,
@@ -40,6 +41,7 @@ __all__ = [
     "handle_ext",
     "handle_mac",
     "parse_handle",
+    "reuse_status",
     "strip_remote",
     "trim_params",
     "verified_tokens",
@@ -64,6 +66,21 @@ class Reason(str, enum.Enum):
     CONTEXT_PARALLEL = "context_parallel"  # decode/prefill context parallel > 1: not supported yet
     HYBRID_PARTIAL = "hybrid_partial"  # several KV cache groups and only part of D's sequence verified
     UNCOVERED = "uncovered_inputs"  # LoRA / multimodal / prompt embeddings the handle does not prove
+
+
+_REUSE_STATUS = {
+    Reason.PULL: ReuseStatus.HIT,
+    Reason.MISMATCH: ReuseStatus.MISMATCH,
+    Reason.LEASE_GONE: ReuseStatus.EXPIRED,
+    Reason.FAILED: ReuseStatus.ERROR,
+    Reason.CLAIM_FAILED: ReuseStatus.ERROR,
+}
+
+
+def reuse_status(reason: Reason | None) -> ReuseStatus:
+    """The status P reports to the router for a decision (``None``: pulled); every other decline is
+    a ``miss``. The connector and the fake P/D both report through this table."""
+    return _REUSE_STATUS.get(reason or Reason.PULL, ReuseStatus.MISS)
 
 
 class HandleRejected(ValueError):

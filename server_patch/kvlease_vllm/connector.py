@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from kvlease import __version__ as KVLEASE_VERSION
-from kvlease.protocol import KV, ControlInfo, PrefillReport, ReuseStatus, Role
+from kvlease.protocol import KV, ControlInfo, PrefillReport, Role
 from kvlease_vllm import _control
 from kvlease_vllm._compat import (
     NIXL_CONNECTOR_VERSION,
@@ -67,6 +67,7 @@ from kvlease_vllm._verify import (
     handle_ext,
     handle_mac,
     parse_handle,
+    reuse_status,
     strip_remote,
     trim_params,
     verified_tokens,
@@ -106,18 +107,9 @@ class _Pull:
 
     def report(self) -> PrefillReport:
         """P's reuse report for the router (``kvlease`` object of P's response params)."""
-        status = _REUSE_STATUS.get(self.outcome or Reason.PULL, ReuseStatus.MISS)
+        status = reuse_status(self.outcome)
         hit = self.outcome is Reason.PULL
         return PrefillReport(self.tokens if hit else 0, status.value)
-
-
-_REUSE_STATUS = {
-    Reason.PULL: ReuseStatus.HIT,
-    Reason.MISMATCH: ReuseStatus.MISMATCH,
-    Reason.LEASE_GONE: ReuseStatus.EXPIRED,
-    Reason.FAILED: ReuseStatus.ERROR,
-    Reason.CLAIM_FAILED: ReuseStatus.ERROR,
-}
 
 
 class KVLeaseScheduler(NixlPullConnectorScheduler):

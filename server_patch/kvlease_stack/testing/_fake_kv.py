@@ -38,6 +38,7 @@ from kvlease_vllm._verify import (
     handle_ext,
     handle_mac,
     parse_handle,
+    reuse_status,
     trim_params,
     verified_tokens,
 )
@@ -46,15 +47,6 @@ __all__ = ["READ_FAILED", "SWEEP_EVERY_S", "DecodeLeases", "PrefillLogic", "Reus
 
 #: How often the fake workers' expiry sweep runs at most on the request path.
 SWEEP_EVERY_S = 0.05
-
-#: P's report per outcome, as the connector's ``_Pull.report`` maps it (anything else: a miss).
-_REUSE_STATUS = {
-    Reason.PULL: ReuseStatus.HIT,
-    Reason.MISMATCH: ReuseStatus.MISMATCH,
-    Reason.LEASE_GONE: ReuseStatus.EXPIRED,
-    Reason.FAILED: ReuseStatus.ERROR,
-    Reason.CLAIM_FAILED: ReuseStatus.ERROR,
-}
 
 
 @dataclass(frozen=True)
@@ -68,7 +60,7 @@ class Reuse:
 
     def report(self) -> dict[str, Any]:
         """The ``kvlease`` object of P's response params (the router's evidence of the pull)."""
-        status = self.status or _REUSE_STATUS.get(self.reason, ReuseStatus.MISS)
+        status = self.status or reuse_status(self.reason)
         hit = self.reason is Reason.PULL
         return {PREFILL_REUSED_TOKENS: self.tokens if hit else 0, PREFILL_REUSE_STATUS: status.value}
 
