@@ -26,6 +26,7 @@ from kvlease._analyze._plan import (
     replay,
 )
 from kvlease._analyze._recommend import MIN_SUGGESTED_TTL, nice_ceil
+from kvlease._analyze._report import _pct
 
 #: A cap is enough when leases under it keep this share of the uncapped leases' hits.
 DEFAULT_TARGET: Final = 0.95
@@ -232,10 +233,6 @@ def recommend(
 
 def to_json_text(plan: CapacityPlan) -> str:
     return json.dumps(plan.to_json(), indent=2, allow_nan=False)
-
-
-def _pct(x: float | None) -> str:
-    return "n/a" if x is None else f"{100 * x:.1f}%"
 
 
 def _secs(x: float | None) -> str:

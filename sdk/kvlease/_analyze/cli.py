@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import typer
@@ -20,6 +22,30 @@ from kvlease._analyze._formats import (
 )
 from kvlease._analyze._model import DEFAULT_MAX_IDLE, DEFAULT_REORDER_WINDOW, DEFAULT_TTL
 from kvlease._analyze._report import render, to_json_text
+
+
+def require_plotting(err: Console) -> None:
+    """Exit 1 with the reason when ``--plot`` cannot work (before a long read, not after it)."""
+    from kvlease._analyze._plot import PlotUnavailableError, _matplotlib
+
+    try:
+        _matplotlib()
+    except PlotUnavailableError as e:
+        err.print(f"[red]error:[/red] {escape(str(e))}")
+        raise typer.Exit(1) from None
+
+
+@contextmanager
+def input_errors(err: Console, file: Path) -> Iterator[None]:
+    """The input's errors as exit codes: an unknown format 2, a malformed record under --strict 1."""
+    try:
+        yield
+    except FormatDetectionError as e:
+        err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False)
+        raise typer.Exit(2) from None
+    except MalformedInputError as e:
+        err.print(f"[red]error:[/red] {escape(f'{file}: {e}')} (--strict)", highlight=False)
+        raise typer.Exit(1) from None
 
 
 def input_path(value: Path) -> Path:
@@ -78,17 +104,11 @@ def analyze_command(
             f"--max-idle ({max_idle:g}) must be at least --ttl ({ttl:g})", param_hint="--max-idle"
         )
     if plot is not None:
-        from kvlease._analyze._plot import PlotUnavailableError, _matplotlib
-
-        try:
-            _matplotlib()  # fail before a long read, not after
-        except PlotUnavailableError as e:
-            err.print(f"[red]error:[/red] {escape(str(e))}")
-            raise typer.Exit(1) from None
+        require_plotting(err)
 
     size = spilled_size(file)
     show_progress = not as_json and err.is_terminal and size is not None
-    try:
+    with input_errors(err, file):
         if show_progress:
             with Progress(
                 "[progress.description]{task.description}",
@@ -122,12 +142,6 @@ def analyze_command(
                 mooncake_block_size=mooncake_block_size,
                 exact=exact,
             )
-    except FormatDetectionError as e:
-        err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False)
-        raise typer.Exit(2) from None
-    except MalformedInputError as e:
-        err.print(f"[red]error:[/red] {escape(f'{file}: {e}')} (--strict)", highlight=False)
-        raise typer.Exit(1) from None
 
     if as_json:
         sys.stdout.write(to_json_text(report) + "\n")

@@ -14,15 +14,13 @@ from rich.markup import escape
 
 from kvlease._analyze._formats import (
     MOONCAKE_BLOCK_SIZE,
-    FormatDetectionError,
     InputFormat,
-    MalformedInputError,
 )
 from kvlease._analyze._model import DEFAULT_MAX_IDLE, DEFAULT_TTL
 from kvlease._analyze._plan import DEFAULT_BLOCK_SIZE, DTYPE_BYTES, PRESETS, ModelKV
 from kvlease._analyze._plan_api import plan
 from kvlease._analyze._plan_report import DEFAULT_POINTS, DEFAULT_TARGET, PlanConfig, render, to_json_text
-from kvlease._analyze.cli import input_path
+from kvlease._analyze.cli import input_errors, input_path, require_plotting
 
 _UNITS: Final = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
                  "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
@@ -150,23 +148,11 @@ def plan_command(
         release_on_close=release_on_close,
     )
     if plot is not None:
-        from kvlease._analyze._plot import PlotUnavailableError, _matplotlib
-
-        try:
-            _matplotlib()
-        except PlotUnavailableError as e:
-            err.print(f"[red]error:[/red] {escape(str(e))}")
-            raise typer.Exit(1) from None
-    try:
+        require_plotting(err)
+    with input_errors(err, file):
         result = plan(
             file, config, format=input_format, strict=strict, mooncake_block_size=mooncake_block_size
         )
-    except FormatDetectionError as e:
-        err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False)
-        raise typer.Exit(2) from None
-    except MalformedInputError as e:
-        err.print(f"[red]error:[/red] {escape(f'{file}: {e}')} (--strict)", highlight=False)
-        raise typer.Exit(1) from None
     if as_json:
         sys.stdout.write(to_json_text(result) + "\n")
     else:
