@@ -174,6 +174,7 @@ class Pending:
         started_at: float,
         body_prefix: _json.BodyPrefix | None = None,
         *,
+        root: str,
         verifies: bool = False,
     ) -> None:
         self.state = state
@@ -187,7 +188,7 @@ class Pending:
         self.verified: bool | None = None
         self.origin = origin
         self.path = path
-        self.root = router_root(origin, path)
+        self.root = root  # router_root(origin, path), computed once by the tracker
         self.auth = auth  # the request's authorization headers: lease requests copy them
         self.t0 = t0
         self.started_at = started_at
@@ -364,8 +365,11 @@ class Tracker:
             else:
                 prefix = None
         body = inject_conversation_id(body, conversation_id)
-        verifies = self._verifies.get(router_root(origin, path)) is True
-        pending = Pending(state, verdict, body, origin, path, auth, t0, started_at, prefix, verifies=verifies)
+        root = router_root(origin, path)
+        verifies = self._verifies.get(root) is True
+        pending = Pending(
+            state, verdict, body, origin, path, auth, t0, started_at, prefix, root=root, verifies=verifies
+        )
         if verdict is not None and verdict.reuse_off:
             self._report(state, verdict, reuse_off=pending.reuse_off)
         return pending
