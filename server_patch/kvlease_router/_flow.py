@@ -32,6 +32,7 @@ from kvlease.protocol import (
     ReuseStatus,
     prefill_request_params,
 )
+from kvlease_router._guard import timeout
 from kvlease_router._identity import IdentityError, conversation_id_from, log_ref, tenant_from
 from kvlease_router._relay import UpstreamTooLarge, passthrough, read_capped, relay_json, relay_stream
 from kvlease_router._retry import RETRY_POLICY, AttemptFailed, run_attempts
@@ -164,11 +165,11 @@ async def _read_body(request: web.Request, router: RouterRuntime) -> dict[str, A
             request, _bad(router, "encoding", f"unsupported Content-Encoding {coding[:40]!r}", 415)
         )
     try:
-        async with asyncio.timeout(s.body_timeout):
+        async with timeout(s.body_timeout):
             raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         return _bad(router, "too-large", f"request body exceeds {s.max_body_bytes} bytes", 413)
-    except TimeoutError:
+    except asyncio.TimeoutError:  # TimeoutError from 3.11 on; async-timeout's on 3.10
         return await _answer_and_close(
             request,
             _bad(router, "body-timeout", f"request body not received within {s.body_timeout:g} s", 408),

@@ -18,15 +18,21 @@ are in the turn's IO (``_flow``, ``_relay``), where the body is read and the str
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections import Counter
 from typing import Any
 
 from aiohttp import web
 
 from kvlease_router._runtime import log
+
+if sys.version_info >= (3, 11):
+    from asyncio import timeout
+else:  # pragma: no cover - Python 3.10: aiohttp depends on async-timeout there
+    from async_timeout import timeout
 from kvlease_router._settings import RouterSettings
 
-__all__ = ["GUARD_KEY", "ConnectionGuard", "guard_middleware", "start_site", "stop_site"]
+__all__ = ["GUARD_KEY", "ConnectionGuard", "guard_middleware", "start_site", "stop_site", "timeout"]
 
 _HEAD_END = b"\r\n\r\n"
 

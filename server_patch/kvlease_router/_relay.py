@@ -19,6 +19,7 @@ import orjson
 from aiohttp import web
 
 from kvlease.protocol import ERROR_UPSTREAM, SSE_DONE, ErrorBody
+from kvlease_router._guard import timeout
 from kvlease_router._reuse import NEEDLE, strip_params
 from kvlease_router._runtime import JSON_CT, RouterRuntime, error_response, log
 from kvlease_router._upstreams import Node
@@ -193,9 +194,9 @@ async def relay_stream(
             await resp.write(data)
             return
         try:
-            async with asyncio.timeout(write_timeout):
+            async with timeout(write_timeout):
                 await resp.write(data)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # TimeoutError from 3.11 on; async-timeout's on 3.10
             raise _StuckClient from None
 
     params: Any = None
