@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from kvlease.protocol import CONTROL_SECRET_ENV, KV
 
-ModelName = Literal["tiny", "small"]
+ModelName = Literal["tiny", "small", "hybrid"]
 ConnectorName = Literal["kvlease", "nixl"]
 ServerRole = Literal["prefill", "decode"]
 
@@ -97,13 +97,15 @@ class StackSpec:
     extra_env: Mapping[str, str] = field(default_factory=dict)
     #: Extra ``vllm serve`` arguments of the decode server (e.g. ``--num-gpu-blocks-override``).
     decode_args: tuple[str, ...] = ()
+    #: Extra ``vllm serve`` arguments of both servers (e.g. ``--enable-lora``), before ``decode_args``.
+    server_args: tuple[str, ...] = ()
     #: Model dtype of both servers (``float32`` or ``bfloat16``). The tests keep ``bfloat16`` (block
     #: counts and caps are sized for it); the demo and benchmarks take :func:`default_dtype`.
     dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
-        if self.model not in ("tiny", "small"):
-            raise ValueError(f"model must be 'tiny' or 'small', not {self.model!r}")
+        if self.model not in ("tiny", "small", "hybrid"):
+            raise ValueError(f"model must be 'tiny', 'small' or 'hybrid', not {self.model!r}")
         if self.connector not in ("kvlease", "nixl"):
             raise ValueError(f"connector must be 'kvlease' or 'nixl', not {self.connector!r}")
         if self.ttl <= 0:
@@ -195,6 +197,7 @@ def server_command(
     ]
     if role == "prefill" and not spec.prefix_caching:
         cmd.append("--no-enable-prefix-caching")
+    cmd.extend(spec.server_args)
     if role == "decode":
         cmd.extend(spec.decode_args)
     return cmd

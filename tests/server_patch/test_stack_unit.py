@@ -528,3 +528,11 @@ def test_stack_template_renders_tools_calls_and_results() -> None:
     # Without a system message the tools get a system turn of their own.
     alone = _render(CHAT_TEMPLATE, msgs[1:], tools=[tool])
     assert alone.startswith("<|im_start|>system\n# Tools\n<tools>\n") and "You are terse" not in alone
+
+
+def test_server_args_reach_both_servers_before_decode_args() -> None:
+    spec = StackSpec(server_args=("--enable-lora",), decode_args=("--num-gpu-blocks-override", "48"))
+    d = server_command("/py", spec, "decode", model_dir="/m", port=1, kv_config={})
+    p = server_command("/py", spec, "prefill", model_dir="/m", port=2, kv_config={})
+    assert p[-1] == "--enable-lora"
+    assert d[-3:] == ["--enable-lora", "--num-gpu-blocks-override", "48"]
