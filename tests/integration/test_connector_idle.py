@@ -26,6 +26,7 @@ from kvlease_stack import Stack, StackSpec
 from kvlease_stack._config import parse_task_stat
 from kvlease_stack._servers import group_members
 
+from ._specs import ALWAYS_PULL
 from .test_connector_pd import ASSISTANT, END, PD, SPEC, USER_1, USER_2, chatml, reused, salt
 
 pytestmark = pytest.mark.integration
@@ -40,6 +41,7 @@ IDLE_SPEC = StackSpec(
     recompute_threshold=32,
     prefix_caching=False,
     dtype="float32",
+    kvlease=ALWAYS_PULL,
 )
 
 

@@ -35,6 +35,8 @@ from kvlease.protocol import (
 )
 from kvlease_stack import Stack, StackSpec
 
+from ._specs import ALWAYS_PULL
+
 pytestmark = pytest.mark.integration
 
 TTL = 20.0
@@ -47,7 +49,13 @@ TTL = 20.0
 # exact continuation of USER_1 diverged at output token 6 with upstream's NixlConnector pulling the
 # same 788 tokens by length as well, and in float32 neither does (12 of 12 variants equal).
 SPEC = StackSpec(
-    model="tiny", connector="kvlease", ttl=TTL, recompute_threshold=32, prefix_caching=False, dtype="float32"
+    model="tiny",
+    connector="kvlease",
+    ttl=TTL,
+    recompute_threshold=32,
+    prefix_caching=False,
+    dtype="float32",
+    kvlease=ALWAYS_PULL,
 )
 TIMEOUT = httpx.Timeout(300.0, connect=10.0)
 GEN = 40  # generated tokens per turn

@@ -15,6 +15,7 @@ import pytest
 from kvlease.protocol import CONTROL_INFO_PATH, CONTROL_METRICS_PATH
 from kvlease_stack import Stack, StackSpec, parse_prometheus
 
+from ._specs import ALWAYS_PULL
 from .test_connector_pd import ASSISTANT, PD, USER_1, chatml, reused, salt
 
 pytestmark = pytest.mark.integration
@@ -27,7 +28,7 @@ FULL_SPEC = StackSpec(
     ttl=600.0,
     recompute_threshold=32,
     prefix_caching=False,
-    kvlease={"max_retained_fraction": 0.9, "min_free_fraction": 0.0},
+    kvlease={**ALWAYS_PULL, "max_retained_fraction": 0.9, "min_free_fraction": 0.0},
     decode_args=("--num-gpu-blocks-override", str(D_BLOCKS)),
 )
 

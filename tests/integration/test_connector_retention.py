@@ -15,6 +15,7 @@ import pytest
 from kvlease.protocol import CONTROL_METRICS_PATH, KV, PREFILL_REUSE_STATUS
 from kvlease_stack import Stack, StackSpec
 
+from ._specs import ALWAYS_PULL
 from .test_connector_pd import ASSISTANT, PD, USER_1, chatml, exact, reused, salt
 
 pytestmark = pytest.mark.integration
@@ -27,7 +28,7 @@ CAP_SPEC = StackSpec(
     ttl=120.0,
     recompute_threshold=32,
     prefix_caching=False,
-    kvlease={"max_retained_fraction": 0.0025},
+    kvlease={**ALWAYS_PULL, "max_retained_fraction": 0.0025},
 )
 
 

@@ -23,6 +23,8 @@ from rich.console import Console
 from kvlease_stack import Stack, StackSpec
 from kvlease_stack.demo import PLAN, SLOW_TOOL_TURN, run_demo
 
+from ._specs import ALWAYS_PULL
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]
 
 D_TTL = 20.0
@@ -34,6 +36,7 @@ SPEC = StackSpec(
     recompute_threshold=32,
     prefix_caching=False,
     dtype="float32",
+    kvlease=ALWAYS_PULL,
 )
 
 

@@ -44,11 +44,19 @@ from ._faults import (
     wait_for_log,
     wait_until,
 )
+from ._specs import ALWAYS_PULL
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]
 
 D_TTL = 20.0
-SPEC = StackSpec(model="tiny", connector="kvlease", ttl=D_TTL, recompute_threshold=32, prefix_caching=False)
+SPEC = StackSpec(
+    model="tiny",
+    connector="kvlease",
+    ttl=D_TTL,
+    recompute_threshold=32,
+    prefix_caching=False,
+    kvlease=ALWAYS_PULL,
+)
 STACK_TIMEOUT_S = float(os.environ.get("KVLEASE_STACK_TIMEOUT", "900"))
 HIT, ERROR, EXPIRED, MISS, FIRST = (
     ReuseStatus.HIT,

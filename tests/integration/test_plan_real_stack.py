@@ -21,6 +21,7 @@ from kvlease._analyze._plan import Policy, prepare, replay
 from kvlease._analyze._plan_api import read_turns
 from kvlease_stack import StackSpec
 
+from ._specs import ALWAYS_PULL
 from .test_router_real_stack import QUESTION, RouterProcess
 
 pytestmark = pytest.mark.integration
@@ -33,7 +34,7 @@ RETAINED = {"hit", "miss", "mismatch"}
 
 @pytest.fixture
 def stack(stack_factory: Callable[[StackSpec], Any]) -> Any:
-    return stack_factory(StackSpec(prefix_caching=False))
+    return stack_factory(StackSpec(prefix_caching=False, kvlease=ALWAYS_PULL))
 
 
 @pytest.fixture

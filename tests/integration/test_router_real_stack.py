@@ -24,6 +24,8 @@ from kvlease.protocol import (
 from kvlease_stack import StackSpec
 from kvlease_stack.testing import RedisServer
 
+from ._specs import ALWAYS_PULL
+
 pytestmark = pytest.mark.integration
 
 QUESTION = (
@@ -68,7 +70,7 @@ class RouterProcess:
 def stack(stack_factory: Callable[[StackSpec], Any]) -> Any:
     """P's own prefix cache off: otherwise P already holds every earlier prompt and a pull from D
     gains only the last answer's tokens, which the connector rightly declines below its threshold."""
-    return stack_factory(StackSpec(prefix_caching=False))
+    return stack_factory(StackSpec(prefix_caching=False, kvlease=ALWAYS_PULL))
 
 
 @pytest.fixture
