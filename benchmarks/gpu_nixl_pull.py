@@ -89,7 +89,20 @@ def _alloc(layout: Layout, max_blocks: int, fill: bool) -> tuple[list[Any], Any]
     return caches, staging
 
 
-def _agent(name: str, threads: int) -> Any:
+def _agent(name: str, threads: int, progress_delay_us: int = 0) -> Any:
+    if progress_delay_us:
+        # kvlease's poll delay for NIXL's progress thread (kvlease_vllm._progress: stdlib only,
+        # loaded from the source tree so that no kvlease install is needed on the GPU host)
+        import importlib.util
+        from pathlib import Path
+
+        src = Path(__file__).resolve().parents[1] / "server_patch" / "kvlease_vllm" / "_progress.py"
+        spec = importlib.util.spec_from_file_location("kvlease_progress", src)
+        assert spec is not None and spec.loader is not None
+        progress = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(progress)
+        if not progress.install(progress_delay_us):
+            raise SystemExit("NIXL's _api has an unexpected shape: the poll delay does not apply")
     try:
         from nixl._api import nixl_agent, nixl_agent_config
     except ImportError:  # the nixl-cu13 wheel alone, without the `nixl` meta-package
@@ -107,13 +120,26 @@ def _block_descs(np: Any, bases: list[int], layout: Layout) -> Any:
     return np.concatenate(rows).astype(np.int64)
 
 
-def d_main(conn: Any, layout: Layout, max_blocks: int, threads: int) -> None:
+def _idle_cores(seconds: float) -> float:
+    """This process's CPU over ``seconds`` of doing nothing (NIXL's progress thread, mostly)."""
+    import resource
+
+    def cpu() -> float:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+
+    c0, t0 = cpu(), time.monotonic()
+    time.sleep(seconds)
+    return (cpu() - c0) / (time.monotonic() - t0)
+
+
+def d_main(conn: Any, layout: Layout, max_blocks: int, threads: int, progress_delay_us: int = 0) -> None:
     """D: holds the KV, answers staging requests, serves READs."""
     import torch
 
     torch.cuda.set_device(0)
     caches, staging = _alloc(layout, max_blocks, fill=True)
-    agent = _agent("D", threads)
+    agent = _agent("D", threads, progress_delay_us)
     agent.register_memory([*caches, staging])
     conn.send(
         {
@@ -160,7 +186,13 @@ def _prepped_read(agent: Any, local_all: Any, li: Any, remote_all: Any, ri: Any)
 
 
 def p_main(
-    conn: Any, layout: Layout, tokens: list[int], runs: int, threads: int, seed: int
+    conn: Any,
+    layout: Layout,
+    tokens: list[int],
+    runs: int,
+    threads: int,
+    seed: int,
+    progress_delay_us: int = 0,
 ) -> dict[str, Any]:
     """P: initiates every READ, times it, checks the data."""
     import numpy as np
@@ -169,7 +201,7 @@ def p_main(
     torch.cuda.set_device(0)
     max_blocks = layout.blocks_for(max(tokens))
     caches, staging = _alloc(layout, max_blocks, fill=False)
-    agent = _agent("P", threads)
+    agent = _agent("P", threads, progress_delay_us)
     agent.register_memory([*caches, staging])
     info = conn.recv()
     remote = agent.add_remote_agent(info["meta"])
@@ -180,7 +212,9 @@ def p_main(
     remote_all = agent.prep_xfer_dlist(remote, _block_descs(np, info["bases"], layout), "VRAM")
     prep_ms = (time.perf_counter() - t0) * 1e3 / 2
     rng = np.random.default_rng(seed)
-    results: dict[str, Any] = {"prep_xfer_dlist_ms_per_side": prep_ms, "rows": []}
+    idle = _idle_cores(3.0)
+    print(f"P idle with NIXL's progress thread (delay {progress_delay_us} us): {idle:.3f} cores", flush=True)
+    results: dict[str, Any] = {"prep_xfer_dlist_ms_per_side": prep_ms, "p_idle_cores": idle, "rows": []}
 
     def check(p_ids: Any, d_ids: Any) -> None:
         pi = torch.as_tensor(p_ids, device="cuda")
@@ -279,6 +313,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--threads", type=int, default=4, help="NIXL UCX worker threads (vLLM uses 4)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--progress-delay-us",
+        type=int,
+        default=0,
+        help="poll delay of NIXL's progress thread (kvlease's nixl_progress_delay_us; 0: NIXL's spin)",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "on")
@@ -289,11 +329,13 @@ def main(argv: list[str] | None = None) -> int:
     ctx = mp.get_context("spawn")
     p_end, d_end = ctx.Pipe()
     d = ctx.Process(
-        target=d_main, args=(d_end, layout, layout.blocks_for(max(tokens)), args.threads), daemon=True
+        target=d_main,
+        args=(d_end, layout, layout.blocks_for(max(tokens)), args.threads, args.progress_delay_us),
+        daemon=True,
     )
     d.start()
     try:
-        res = p_main(p_end, layout, tokens, args.runs, args.threads, args.seed)
+        res = p_main(p_end, layout, tokens, args.runs, args.threads, args.seed, args.progress_delay_us)
     finally:
         d.join(timeout=60)
         if d.is_alive():
@@ -304,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         layout=asdict(layout),
         runs=args.runs,
         threads=args.threads,
+        progress_delay_us=args.progress_delay_us,
         gpu=torch.cuda.get_device_name(0),
         torch=torch.__version__,
         ucx_cuda_ipc_get_zcopy=os.environ.get("UCX_CUDA_IPC_ENABLE_GET_ZCOPY"),

@@ -18,6 +18,7 @@ its internals gets upstream's behaviour rather than an error.
 
 from __future__ import annotations
 
+import importlib
 import sys
 import threading
 from types import ModuleType
@@ -46,12 +47,19 @@ class _DelayedBind:
 
 
 def _api_module() -> ModuleType | None:
-    try:
-        import nixl._api  # noqa: F401  (NIXL injects the CUDA flavour's module under this name)
-    except Exception:
-        return None
-    mod = sys.modules.get("nixl._api")
-    return mod if isinstance(mod, ModuleType) else None
+    """NIXL's ``_api``: the ``nixl`` meta-package injects its CUDA flavour's module under
+    ``nixl._api``; a flavour's wheel installed alone (``nixl-cu13``) is imported by its own name."""
+    for name in ("nixl._api", "nixl_cu13._api", "nixl_cu12._api"):
+        mod = sys.modules.get(name)
+        if mod is None:
+            try:
+                importlib.import_module(name)
+            except Exception:
+                continue
+            mod = sys.modules.get(name)
+        if isinstance(mod, ModuleType):
+            return mod
+    return None
 
 
 def install(delay_us: int, api: ModuleType | None = None) -> bool:
