@@ -2,13 +2,26 @@
 
 Both clients talk to the same fast fake OpenAI-compatible router on 127.0.0.1 (a threaded stdlib
 server, ``tests/fakes/openai_server.py``, in its own process so it does not share this process's
-GIL or CPU clock) and send the same multi-turn conversations (8 turns each,
-the history growing as an agent's does; the wrapped client appends the model's full reply so every
-turn is classified exact). Rounds alternate raw and wrapped to cancel drift on a shared machine;
-the figure is the median over rounds of the mean time per call, and the overhead is
-``wrapped / raw - 1``. Goal: <= 3 % for non-streaming and streaming calls. Besides wall-clock time
-per call, the client's own CPU time per call (``time.process_time``) is reported: on a busy machine
-it is the steadier figure of what the SDK adds.
+GIL or CPU clock) and run the same agent loop: multi-turn conversations whose every turn resends the
+whole history (``client.chat.completions.create(...)`` looked up per turn, as agent code does; the
+wrapped client is the default ``kvlease.wrap(...)``, lease heartbeats on). The model's full reply is
+appended, so every turn is classified exact (a ``ReuseOffWarning`` would fail the run).
+
+Workloads (what is sent is measured and reported with the result):
+
+- ``chat`` (the headline): 8 turns; a system prompt, then per turn a short user question and the
+  model's 40-word reply (non-streaming: one JSON body; streaming: 42 SSE events); the request body
+  grows from ~0.2 KB on turn 1 to ~2.8 KB on turn 8.
+- ``agent`` (non-streaming): the same loop where each user turn also carries a 2 KB tool result (a
+  file, a page, a command's output), so turn 8 resends ~19 KB of history, as a coding agent's does.
+
+Method: one round runs ``conversations`` raw and as many wrapped conversations, interleaved pair by
+pair (the order alternates), so drift on a shared machine hits both alike; warm-up conversations
+come first. Per round: wall-clock and client CPU time (``time.process_time``: this process, the
+keeper thread included) per call for each client, and their ratio. The overhead is the median over
+rounds of ``wrapped / raw - 1`` (paired), with the 25th-75th percentile of those ratios as its
+spread; CPU time is the steadier figure of what the SDK adds. The machine's load average is
+recorded at start and end. Goal: <= 3 % for non-streaming and streaming calls.
 
 Run: ``python benchmarks/sdk_overhead.py [--quick]``; importable: ``run(quick) -> dict``.
 """
@@ -17,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import statistics
@@ -25,7 +39,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,84 +50,151 @@ from kvlease._http import FAMILY
 
 TURNS = 8
 CONTENT = " ".join(f"word{i}" for i in range(40))  # 40 SSE chunks per streamed reply
+SYSTEM = {"role": "system", "content": "You are a terse assistant."}
+#: a 2 KB tool result, different on every turn (as a file or a command's output is)
+TOOL_RESULT = "\n".join(f"line {i:03d}: result of step {{turn}}, value {i * 37 % 1000}" for i in range(50))
 
 
-def _conversation(create: Any, stream: bool) -> None:
-    msgs: list[dict[str, Any]] = [{"role": "system", "content": "You are a terse assistant."}]
+def _question(turn: int) -> str:
+    return f"Question {turn}: tell me more about item {turn}."
+
+
+def _agent_question(turn: int) -> str:
+    return f"Tool output of step {turn}:\n{TOOL_RESULT.format(turn=turn)[:2048]}\nWhat next?"
+
+
+WORKLOADS: dict[str, Callable[[int], str]] = {"chat": _question, "agent": _agent_question}
+
+
+def _conversation(client: Any, question: Callable[[int], str], stream: bool) -> None:
+    """One conversation; ``client`` has ``.chat`` (an openai client or a kvlease conversation)."""
+    msgs: list[dict[str, Any]] = [SYSTEM]
     for turn in range(TURNS):
-        msgs.append({"role": "user", "content": f"Question {turn}: tell me more about item {turn}."})
+        msgs.append({"role": "user", "content": question(turn)})
         if stream:
-            parts = [c.choices[0].delta.content or "" for c in create(model="m", messages=msgs, stream=True)]
-            text = "".join(parts)
+            chunks = client.chat.completions.create(model="m", messages=msgs, stream=True)
+            text = "".join([c.choices[0].delta.content or "" for c in chunks])
         else:
-            text = create(model="m", messages=msgs).choices[0].message.content
+            text = client.chat.completions.create(model="m", messages=msgs).choices[0].message.content
         msgs.append({"role": "assistant", "content": text})
 
 
-def _round(
-    kind: str, raw: OpenAI, kc: kvlease.KVLeaseClient, conversations: int, stream: bool
-) -> tuple[float, float]:
-    """Mean wall-clock and client-CPU seconds per call of ``conversations`` conversations."""
-    t = cpu = 0.0
-    for _ in range(conversations):
-        conv = kc.conversation() if kind == "wrapped" else None
-        create = raw.chat.completions.create if conv is None else conv.chat.completions.create
-        t0, c0 = time.perf_counter(), time.process_time()
-        _conversation(create, stream)
-        t += time.perf_counter() - t0
-        cpu += time.process_time() - c0
-        if conv is not None:
-            conv.close()  # the release is not part of a call
-    n = conversations * TURNS
-    return t / n, cpu / n
-
-
-def _measure(
-    raw: OpenAI, kc: kvlease.KVLeaseClient, rounds: int, conversations: int, stream: bool
-) -> dict[str, Any]:
-    per: dict[str, list[float]] = {"raw": [], "wrapped": []}
-    per_cpu: dict[str, list[float]] = {"raw": [], "wrapped": []}
-    for _ in range(2):  # warm-up: connections, imports, pydantic caches
-        _round("raw", raw, kc, 2, stream)
-        _round("wrapped", raw, kc, 2, stream)
-    for i in range(rounds):
-        order = ("raw", "wrapped") if i % 2 == 0 else ("wrapped", "raw")
-        for kind in order:
-            wall, cpu = _round(kind, raw, kc, conversations, stream)
-            per[kind].append(wall)
-            per_cpu[kind].append(cpu)
-    raw_s = statistics.median(per["raw"])
-    wrapped_s = statistics.median(per["wrapped"])
-    raw_cpu = statistics.median(per_cpu["raw"])
-    wrapped_cpu = statistics.median(per_cpu["wrapped"])
+def _sizes(question: Callable[[int], str]) -> dict[str, Any]:
+    """What the workload sends: messages and request-body bytes on the first and last turn."""
+    msgs: list[dict[str, Any]] = [SYSTEM]
+    body: list[int] = []
+    for turn in range(TURNS):
+        msgs.append({"role": "user", "content": question(turn)})
+        body.append(len(json.dumps({"messages": msgs, "model": "m"}, separators=(",", ":"))))
+        msgs.append({"role": "assistant", "content": CONTENT})
     return {
-        "calls_per_client": rounds * conversations * TURNS,
-        "raw_ms_per_call": round(raw_s * 1e3, 4),
-        "wrapped_ms_per_call": round(wrapped_s * 1e3, 4),
-        "added_us_per_call": round((wrapped_s - raw_s) * 1e6, 1),
-        "overhead_pct": round((wrapped_s / raw_s - 1) * 100, 2),
-        "best_raw_ms": round(min(per["raw"]) * 1e3, 4),
-        "best_wrapped_ms": round(min(per["wrapped"]) * 1e3, 4),
-        "overhead_pct_of_best": round((min(per["wrapped"]) / min(per["raw"]) - 1) * 100, 2),
-        "raw_client_cpu_ms_per_call": round(raw_cpu * 1e3, 4),
-        "wrapped_client_cpu_ms_per_call": round(wrapped_cpu * 1e3, 4),
-        "client_cpu_overhead_pct": round((wrapped_cpu / raw_cpu - 1) * 100, 2),
+        "messages_sent_first_last": [2, 2 * TURNS],
+        "body_bytes_first_last": [body[0], body[-1]],
+        "body_bytes_mean": round(statistics.fmean(body)),
+        "reply_bytes": len(CONTENT),
     }
 
 
+def _one(
+    kind: str, raw: OpenAI, kc: kvlease.KVLeaseClient, question: Callable[[int], str], stream: bool
+) -> tuple[float, float]:
+    """Wall-clock and client-CPU seconds of one conversation (opening and closing it excluded)."""
+    conv = kc.conversation() if kind == "wrapped" else None
+    client: Any = raw if conv is None else conv
+    t0, c0 = time.perf_counter(), time.process_time()
+    _conversation(client, question, stream)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    if conv is not None:
+        conv.close()  # the lease release is not part of a call
+    return wall, cpu
+
+
+def _q(xs: list[float], p: float) -> float:
+    return statistics.quantiles(xs, n=100, method="inclusive")[round(p * 100) - 1] if len(xs) > 1 else xs[0]
+
+
+def _measure(
+    raw: OpenAI,
+    kc: kvlease.KVLeaseClient,
+    question: Callable[[int], str],
+    rounds: int,
+    conversations: int,
+    stream: bool,
+) -> dict[str, Any]:
+    for i in range(3):  # warm-up: connections, imports, pydantic caches
+        for kind in ("raw", "wrapped") if i % 2 == 0 else ("wrapped", "raw"):
+            _one(kind, raw, kc, question, stream)
+    wall: dict[str, list[float]] = {"raw": [], "wrapped": []}
+    cpu: dict[str, list[float]] = {"raw": [], "wrapped": []}
+    ratio_wall: list[float] = []
+    ratio_cpu: list[float] = []
+    n = conversations * TURNS
+    for r in range(rounds):
+        tot = {"raw": [0.0, 0.0], "wrapped": [0.0, 0.0]}
+        for j in range(conversations):
+            for kind in ("raw", "wrapped") if (r + j) % 2 == 0 else ("wrapped", "raw"):
+                w, c = _one(kind, raw, kc, question, stream)
+                tot[kind][0] += w
+                tot[kind][1] += c
+        for kind, (w, c) in tot.items():
+            wall[kind].append(w / n)
+            cpu[kind].append(c / n)
+        ratio_wall.append(tot["wrapped"][0] / tot["raw"][0])
+        ratio_cpu.append(tot["wrapped"][1] / tot["raw"][1])
+    raw_s, wrapped_s = statistics.median(wall["raw"]), statistics.median(wall["wrapped"])
+    raw_cpu, wrapped_cpu = statistics.median(cpu["raw"]), statistics.median(cpu["wrapped"])
+
+    def pct(x: float) -> float:
+        return round((x - 1) * 100, 2)
+
+    return {
+        "calls_per_client": rounds * n,
+        "rounds": rounds,
+        "raw_ms_per_call": round(raw_s * 1e3, 4),
+        "wrapped_ms_per_call": round(wrapped_s * 1e3, 4),
+        "added_us_per_call": round((wrapped_s - raw_s) * 1e6, 1),
+        "overhead_pct": pct(statistics.median(ratio_wall)),
+        "overhead_pct_p25_p75": [pct(_q(ratio_wall, 0.25)), pct(_q(ratio_wall, 0.75))],
+        "overhead_pct_of_medians": pct(wrapped_s / raw_s),
+        "raw_ms_p25_p75": [round(_q(wall["raw"], p) * 1e3, 4) for p in (0.25, 0.75)],
+        "wrapped_ms_p25_p75": [round(_q(wall["wrapped"], p) * 1e3, 4) for p in (0.25, 0.75)],
+        "raw_client_cpu_ms_per_call": round(raw_cpu * 1e3, 4),
+        "wrapped_client_cpu_ms_per_call": round(wrapped_cpu * 1e3, 4),
+        "added_client_cpu_us_per_call": round((wrapped_cpu - raw_cpu) * 1e6, 1),
+        "client_cpu_overhead_pct": pct(statistics.median(ratio_cpu)),
+        "client_cpu_overhead_pct_p25_p75": [pct(_q(ratio_cpu, 0.25)), pct(_q(ratio_cpu, 0.75))],
+    }
+
+
+def _load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
 def run(quick: bool = False) -> dict[str, Any]:
-    rounds, conversations = (6, 4) if quick else (20, 10)
-    out: dict[str, Any] = {"http_family": FAMILY, "turns_per_conversation": TURNS}
+    rounds, conversations = (8, 3) if quick else (25, 6)
+    out: dict[str, Any] = {
+        "http_family": FAMILY,
+        "turns_per_conversation": TURNS,
+        "cpus": os.cpu_count(),
+        "load_average_at_start": _load(),
+        "workloads": {name: _sizes(q) for name, q in WORKLOADS.items()},
+    }
     with fake_server_process("--content", CONTENT) as base_url:
         raw = OpenAI(base_url=base_url, api_key="k", max_retries=0)
-        kc = kvlease.wrap(OpenAI(base_url=base_url, api_key="k", max_retries=0), heartbeat=False)
+        kc = kvlease.wrap(OpenAI(base_url=base_url, api_key="k", max_retries=0))
         with warnings.catch_warnings():
             warnings.simplefilter("error", kvlease.ReuseOffWarning)  # every turn must be exact
-            out["non_streaming"] = _measure(raw, kc, rounds, conversations, stream=False)
-            out["streaming"] = _measure(raw, kc, rounds, conversations, stream=True)
+            out["non_streaming"] = _measure(raw, kc, _question, rounds, conversations, stream=False)
+            out["load_average_after_non_streaming"] = _load()
+            out["streaming"] = _measure(raw, kc, _question, rounds, conversations, stream=True)
+            out["load_average_after_streaming"] = _load()
+            out["agent_non_streaming"] = _measure(
+                raw, kc, _agent_question, rounds, conversations, stream=False
+            )
         out["sse_chunks_per_reply"] = len(CONTENT.split()) + 2
         kc.close()
         raw.close()
+    out["load_average_at_end"] = _load()
     return out
 
 
@@ -150,25 +231,36 @@ def fake_server_process(*args: str) -> Iterator[str]:
         proc.wait(10)
 
 
+def print_table(res: dict[str, Any]) -> None:
+    print(
+        f"SDK overhead vs raw openai client ({res['http_family']}, {res['turns_per_conversation']}-turn "
+        f"conversations; {res['cpus']} CPUs, load average {res['load_average_at_start']} at start, "
+        f"{res['load_average_at_end']} at end)"
+    )
+    for mode in ("non_streaming", "streaming", "agent_non_streaming"):
+        r = res[mode]
+        lo, hi = r["overhead_pct_p25_p75"]
+        clo, chi = r["client_cpu_overhead_pct_p25_p75"]
+        print(
+            f"  {mode:20s} raw {r['raw_ms_per_call']:.3f} ms/call  wrapped {r['wrapped_ms_per_call']:.3f} ms/call  "
+            f"overhead {r['overhead_pct']:+.2f} % (p25-p75 {lo:+.2f} .. {hi:+.2f} %; "
+            f"{r['added_us_per_call']:+.1f} us; {r['calls_per_client']} calls per client)"
+        )
+        print(
+            f"  {'':20s} client CPU: raw {r['raw_client_cpu_ms_per_call']:.3f} ms/call  "
+            f"wrapped {r['wrapped_client_cpu_ms_per_call']:.3f} ms/call  "
+            f"overhead {r['client_cpu_overhead_pct']:+.2f} % (p25-p75 {clo:+.2f} .. {chi:+.2f} %; "
+            f"{r['added_client_cpu_us_per_call']:+.1f} us)"
+        )
+    for name, w in res["workloads"].items():
+        print(f"  workload {name}: {w}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
     args = parser.parse_args()
-    res = run(quick=args.quick)
-    print(
-        f"SDK overhead vs raw openai client ({res['http_family']}, {res['turns_per_conversation']}-turn conversations)"
-    )
-    for mode in ("non_streaming", "streaming"):
-        r = res[mode]
-        print(
-            f"  {mode:14s} raw {r['raw_ms_per_call']:.3f} ms/call  wrapped {r['wrapped_ms_per_call']:.3f} ms/call  "
-            f"added {r['added_us_per_call']:+.1f} us  overhead {r['overhead_pct']:+.2f} % "
-            f"(best-of-rounds {r['overhead_pct_of_best']:+.2f} %, {r['calls_per_client']} calls per client)"
-        )
-        print(
-            f"  {'':14s} client CPU: raw {r['raw_client_cpu_ms_per_call']:.3f} ms/call  "
-            f"wrapped {r['wrapped_client_cpu_ms_per_call']:.3f} ms/call  overhead {r['client_cpu_overhead_pct']:+.2f} %"
-        )
+    print_table(run(quick=args.quick))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from kvlease._http import hx, inner_http_client
 from kvlease._keeper import AsyncLeaseKeeper, LeaseKeeper
 from kvlease._renewal import RetryPolicy
 from kvlease._strip import ReasoningPolicy
-from kvlease._transport import AsyncKVTransport, KVTransport
+from kvlease._transport import AsyncKVClient, AsyncKVTransport, KVClient, KVTransport
 from kvlease._turnlog import TurnLog
 
 __all__ = ["AsyncConversation", "AsyncKVLeaseClient", "Conversation", "KVLeaseClient", "wrap"]
@@ -86,7 +86,7 @@ class KVLeaseClient(BaseClient[Conversation]):
         self.keeper = self._lease_sink(
             LeaseKeeper(inner, max_idle=max_idle, heartbeat=heartbeat, retry=retry, on_drop=self._dropped)
         )
-        self._http = hx.Client(transport=KVTransport(inner, self._tracker), trust_env=False)
+        self._http: hx.Client = KVClient(KVTransport(inner, self._tracker))
         #: The openai client to use (or hand to other frameworks): every request carrying
         #: ``X-Conversation-Id`` is tracked.
         self.openai: openai.OpenAI = client.with_options(http_client=self._http)
@@ -143,7 +143,7 @@ class AsyncKVLeaseClient(BaseClient[AsyncConversation]):
                 inner, max_idle=max_idle, heartbeat=heartbeat, retry=retry, on_drop=self._dropped
             )
         )
-        self._http = hx.AsyncClient(transport=AsyncKVTransport(inner, self._tracker), trust_env=False)
+        self._http: hx.AsyncClient = AsyncKVClient(AsyncKVTransport(inner, self._tracker))
         self.openai: openai.AsyncOpenAI = client.with_options(http_client=self._http)
 
     @property

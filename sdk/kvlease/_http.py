@@ -80,14 +80,11 @@ _header_items = _lowered_list if _has_lowered_list() else _items_of
 def header_values(headers: hx.Headers, names: Collection[bytes]) -> dict[bytes, str]:
     """The headers among ``names`` (lower-case) that ``headers`` has, keyed by those names: what
     ``headers.get(name)`` returns for each (repeated headers joined with ``", "``), in one pass."""
-    found: dict[bytes, bytes] = {}
-    for _, key, value in _header_items(headers):
-        if key in names:
-            found[key] = found[key] + b", " + value if key in found else value
     out: dict[bytes, str] = {}
-    for key, value in found.items():
+    for key, value in [(key, value) for _, key, value in _header_items(headers) if key in names]:
         try:
-            out[key] = value.decode("ascii")
+            text = value.decode("ascii")
         except UnicodeDecodeError:
-            out[key] = value.decode(headers.encoding)
+            text = value.decode(headers.encoding)
+        out[key] = out[key] + ", " + text if key in out else text
     return out

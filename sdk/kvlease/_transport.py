@@ -1,10 +1,16 @@
 """The transports: where kvlease behaviour meets the HTTP layer (thin shells over ``_core.Tracker``).
 
-A wrapped openai client sends through an HTTP client whose transport is :class:`KVTransport` (or
-:class:`AsyncKVTransport`). Requests without ``X-Conversation-Id`` pass straight to the user's own
-HTTP client. A tracked completion request gets its body and headers from ``Tracker.begin``; the
-response headers are read as soon as they arrive, and the response byte stream is wrapped so the
-body (JSON or SSE) is observed while the caller reads it: nothing is read ahead or buffered for it.
+A wrapped openai client sends through a :class:`KVClient` (or :class:`AsyncKVClient`) whose
+transport is :class:`KVTransport` (or :class:`AsyncKVTransport`) over the user's own HTTP client.
+Requests without ``X-Conversation-Id`` pass straight to the user's client. A tracked completion
+request gets its body and headers from ``Tracker.begin``; the response headers are read as soon as
+they arrive, and the response byte stream is wrapped so the body (JSON or SSE) is observed while the
+caller reads it: nothing is read ahead or buffered for it.
+
+The user's client's ``send`` does all the HTTP work (auth, redirects, event hooks, cookies, retries
+of its transport), so the wrapping client's own ``send`` would only do it a second time, for nothing:
+with none of its own settings in use (the case of every openai request), :class:`KVClient` hands the
+request straight to its transport, which is most of what the SDK adds to a call otherwise.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from kvlease._core import CID_KEY, REQUEST_HEADERS, Pending, Tracker, auth_heade
 from kvlease._http import header_values, hx
 from kvlease._observe import ResponseObserver
 
-__all__ = ["AsyncKVTransport", "KVTransport"]
+__all__ = ["AsyncKVClient", "AsyncKVTransport", "KVClient", "KVTransport"]
 
 log = logging.getLogger("kvlease")
 _perf = time.perf_counter
@@ -108,6 +114,11 @@ class _ObservedStream(hx.SyncByteStream):
         finally:
             _finish(self._tracker, self._pending, complete=False)
 
+    @property
+    def elapsed(self) -> Any:
+        """The inner client's timing of the response (``response.elapsed`` reads it under httpx2)."""
+        return getattr(self._stream, "elapsed", None)
+
 
 class _AsyncObservedStream(hx.AsyncByteStream):
     __slots__ = ("_pending", "_stream", "_tracker")
@@ -137,6 +148,10 @@ class _AsyncObservedStream(hx.AsyncByteStream):
             await self._stream.aclose()
         finally:
             _finish(self._tracker, self._pending, complete=False)
+
+    @property
+    def elapsed(self) -> Any:
+        return getattr(self._stream, "elapsed", None)
 
 
 def _ignore(chunk: bytes) -> None:
@@ -177,4 +192,103 @@ class AsyncKVTransport(hx.AsyncBaseTransport):
         if pending is not None:
             self.tracker.response(pending, response.status_code, response.headers, _perf())
             response.stream = _AsyncObservedStream(response.stream, pending, self.tracker)
+        return response
+
+
+def _own_settings(client: hx.Client | hx.AsyncClient, auth: Any, follow_redirects: Any) -> bool:
+    """Whether a ``send`` of the wrapping client has anything of its own to do: an ``auth`` or
+    ``follow_redirects`` argument, or settings put on it (auth, event hooks, redirects)."""
+    if auth is not hx.USE_CLIENT_DEFAULT or follow_redirects is not hx.USE_CLIENT_DEFAULT:
+        return True
+    hooks = client.event_hooks
+    return client.auth is not None or client.follow_redirects or bool(hooks["request"] or hooks["response"])
+
+
+def _set_timeout(client: hx.Client | hx.AsyncClient, request: hx.Request) -> None:
+    """What ``send`` does first: a request built elsewhere gets this client's timeout."""
+    if "timeout" not in request.extensions:
+        request.extensions = {**request.extensions, "timeout": client.timeout.as_dict()}
+
+
+def _cookies(
+    client: hx.Client | hx.AsyncClient, inner: hx.Client | hx.AsyncClient, response: hx.Response
+) -> None:
+    """The response's cookies for this client's next requests: the user's client stored them, in
+    the jar this client shares (unless one of the two was given another jar since)."""
+    if client.cookies.jar is not inner.cookies.jar:
+        client.cookies.extract_cookies(response)
+
+
+def _closed() -> RuntimeError:
+    return RuntimeError("Cannot send a request, as the client has been closed.")
+
+
+class KVClient(hx.Client):
+    """The HTTP client of a wrapped openai client: sends through :class:`KVTransport`.
+
+    ``send`` does what ``httpx.Client.send`` does here (this client's timeout, reading the body
+    unless ``stream``) without its auth, redirect and hook machinery, which the user's client runs;
+    with any of those set on this client, or passed to ``send``, it is ``httpx.Client.send``. Its
+    cookie jar is the user's client's: cookies the server sets (stored by the user's client) go
+    out on the next request this client builds, as they would from the user's client.
+    """
+
+    def __init__(self, transport: KVTransport) -> None:
+        super().__init__(transport=transport, trust_env=False, cookies=transport.inner.cookies.jar)
+        self._kv = transport
+
+    def send(
+        self,
+        request: hx.Request,
+        *,
+        stream: bool = False,
+        auth: Any = hx.USE_CLIENT_DEFAULT,
+        follow_redirects: Any = hx.USE_CLIENT_DEFAULT,
+    ) -> hx.Response:
+        if _own_settings(self, auth, follow_redirects):
+            return super().send(request, stream=stream, auth=auth, follow_redirects=follow_redirects)
+        if self.is_closed:
+            raise _closed()
+        _set_timeout(self, request)
+        response = self._kv.handle_request(request)
+        try:
+            _cookies(self, self._kv.inner, response)
+            response.default_encoding = self._default_encoding
+            if not stream:
+                response.read()
+        except BaseException:
+            response.close()
+            raise
+        return response
+
+
+class AsyncKVClient(hx.AsyncClient):
+    """The asyncio twin of :class:`KVClient`."""
+
+    def __init__(self, transport: AsyncKVTransport) -> None:
+        super().__init__(transport=transport, trust_env=False, cookies=transport.inner.cookies.jar)
+        self._kv = transport
+
+    async def send(
+        self,
+        request: hx.Request,
+        *,
+        stream: bool = False,
+        auth: Any = hx.USE_CLIENT_DEFAULT,
+        follow_redirects: Any = hx.USE_CLIENT_DEFAULT,
+    ) -> hx.Response:
+        if _own_settings(self, auth, follow_redirects):
+            return await super().send(request, stream=stream, auth=auth, follow_redirects=follow_redirects)
+        if self.is_closed:
+            raise _closed()
+        _set_timeout(self, request)
+        response = await self._kv.handle_async_request(request)
+        try:
+            _cookies(self, self._kv.inner, response)
+            response.default_encoding = self._default_encoding
+            if not stream:
+                await response.aread()
+        except BaseException:
+            await response.aclose()
+            raise
         return response
