@@ -2,9 +2,12 @@
 
 Usage: ``python _build_model.py SPEC_JSON OUT_DIR``. ``SPEC_JSON`` is the JSON of a model spec
 (see ``_model.MODEL_SPECS``). Nothing is downloaded: the byte-level BPE tokenizer is trained on the
-interpreter's own standard-library sources, the Qwen2-architecture weights are drawn from a fixed
-seed and, when ``train_steps`` > 0, trained briefly on the same text so that greedy output depends
-on the prompt. The script verifies that property and exits non-zero if it does not hold.
+interpreter's own standard-library sources, the weights (``arch``: ``qwen2``, the default, or
+``gemma3``: Gemma-3 text layers, sliding-window and global attention per ``layer_types``) are drawn
+from a fixed seed and, when ``train_steps`` > 0, trained briefly on the same text so that greedy
+output depends on the prompt. The script verifies that property (and, with
+``verify_long_range``, that the global layers carry tokens from further back than the
+sliding-window layers reach) and exits non-zero if it does not hold.
 
 This file imports torch/transformers: it is executed by the vLLM venv's interpreter, never imported
 by the project.
@@ -103,9 +106,55 @@ def training_ids(texts: list[str], tok: Any, seq: int) -> list[list[int]]:
     return windows
 
 
+def make_model(spec: dict[str, Any], *, vocab_size: int, eos_id: int, pad_id: int) -> Any:
+    """The untrained causal LM of ``spec`` (weights from the seeded global RNG)."""
+    common: dict[str, Any] = {
+        "vocab_size": vocab_size,
+        "hidden_size": int(spec["hidden_size"]),
+        "intermediate_size": int(spec["intermediate_size"]),
+        "num_hidden_layers": int(spec["num_layers"]),
+        "num_attention_heads": int(spec["num_heads"]),
+        "num_key_value_heads": int(spec["num_kv_heads"]),
+        "max_position_embeddings": int(spec["max_position_embeddings"]),
+        "tie_word_embeddings": True,
+        "bos_token_id": None,
+        "eos_token_id": eos_id,
+        "pad_token_id": pad_id,
+    }
+    arch = spec.get("arch", "qwen2")
+    if arch == "gemma3":
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        head_dim = int(spec["hidden_size"]) // int(spec["num_heads"])
+        layer_types = list(spec["layer_types"])
+        if len(layer_types) != int(spec["num_layers"]):
+            raise SystemExit(
+                f"layer_types names {len(layer_types)} layers, num_layers is {spec['num_layers']}"
+            )
+        config = Gemma3TextConfig(
+            **common,
+            head_dim=head_dim,
+            query_pre_attn_scalar=head_dim,
+            sliding_window=int(spec["sliding_window"]),
+            layer_types=layer_types,
+        )
+        return Gemma3ForCausalLM(config)
+    if arch != "qwen2":
+        raise SystemExit(f"unknown arch {arch!r}")
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        **common,
+        use_sliding_window=False,
+        sliding_window=None,
+        max_window_layers=int(spec["num_layers"]),
+    )
+    return Qwen2ForCausalLM(config)
+
+
 def build(spec: dict[str, Any], out: Path) -> None:
     import torch
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import PreTrainedTokenizerFast
 
     seed = int(spec["seed"])
     threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -132,23 +181,7 @@ def build(spec: dict[str, Any], out: Path) -> None:
     eos_id = tok.token_to_id("<|im_end|>")
     pad_id = tok.token_to_id("<|endoftext|>")
 
-    config = Qwen2Config(
-        vocab_size=tok.get_vocab_size(),
-        hidden_size=int(spec["hidden_size"]),
-        intermediate_size=int(spec["intermediate_size"]),
-        num_hidden_layers=int(spec["num_layers"]),
-        num_attention_heads=int(spec["num_heads"]),
-        num_key_value_heads=int(spec["num_kv_heads"]),
-        max_position_embeddings=int(spec["max_position_embeddings"]),
-        tie_word_embeddings=True,
-        bos_token_id=None,
-        eos_token_id=eos_id,
-        pad_token_id=pad_id,
-        use_sliding_window=False,
-        sliding_window=None,
-        max_window_layers=int(spec["num_layers"]),
-    )
-    model = Qwen2ForCausalLM(config)
+    model = make_model(spec, vocab_size=tok.get_vocab_size(), eos_id=eos_id, pad_id=pad_id)
     model.train()
 
     steps, seq, batch = int(spec["train_steps"]), int(spec["train_seq"]), int(spec["train_batch"])
@@ -190,6 +223,8 @@ def build(spec: dict[str, Any], out: Path) -> None:
 
     if spec.get("verify_prompt_dependence"):
         verify(out)
+    if spec.get("verify_long_range"):
+        verify_long_range(out, spec)
 
 
 def verify(out: Path) -> None:
@@ -222,6 +257,52 @@ def verify(out: Path) -> None:
             f"model check failed: greedy output does not depend on the prompt ({distinct} distinct of 4)"
         )
     log(f"verify: {distinct} distinct greedy outputs of {len(prompts)} prompts")
+
+
+def verify_long_range(out: Path, spec: dict[str, Any]) -> None:
+    """The global layers must carry tokens further back than the sliding-window layers reach together:
+    prompts that differ only in their first token, followed by the same long text, must give
+    different next-token logits (through sliding-window layers alone they would be bit-identical).
+    Whether the greedy continuations differ as well is only logged: a briefly trained model rarely
+    leans on that far a context hard enough to change its greedy choice."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    model.eval()
+    sliding = sum(t == "sliding_attention" for t in spec["layer_types"])
+    reach = sliding * int(spec["sliding_window"])  # positions the sliding-window layers alone bridge
+    filler = "".join(
+        f"Step {i}: the loader reads entry number {i}, checks its type, applies the default value and "
+        "stores it in the cache before moving on. "
+        for i in range(1, 2 + reach // 20)
+    )
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "x " + filler}], tokenize=False, add_generation_prompt=True
+    )
+    base = tok(text).input_ids
+    first = len(tok("<|im_start|>user\n").input_ids)  # the first token of the user's text
+    if len(base) - 1 - first <= reach:
+        raise SystemExit(f"long-range check: the first token is only {len(base) - 1 - first} positions back")
+    logits, greedy = [], set()
+    for word in ("def", "import", "class", "return"):
+        ids = torch.tensor([[*base[:first], tok(word).input_ids[0], *base[first + 1 :]]])
+        with torch.no_grad():
+            logits.append(model(ids).logits[0, -1])
+            gen = model.generate(ids, max_new_tokens=16, do_sample=False)
+        greedy.add(tuple(gen[0, ids.shape[1] :].tolist()))
+    same = sum(torch.equal(logits[i], logits[j]) for i in range(4) for j in range(i + 1, 4))
+    if same:
+        raise SystemExit(
+            f"model check failed: output does not depend on tokens more than {reach} positions back "
+            f"({same} of 6 pairs of first tokens give identical logits)"
+        )
+    spread = max(float((logits[0] - x).abs().max()) for x in logits[1:])
+    log(
+        f"verify long range: the first token, {len(base) - 1 - first} positions back (> {reach}), changes "
+        f"the logits (by up to {spread:.3g}); {len(greedy)} distinct greedy outputs of 4"
+    )
 
 
 def main(argv: list[str]) -> int:

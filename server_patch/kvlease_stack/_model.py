@@ -1,9 +1,11 @@
 """Build (once, cached) the deterministic local models the stack serves.
 
 ``tiny`` is trained briefly so that greedy output depends on the prompt (KV-correctness tests need
-that); ``small`` has random weights and exists for timings (recompute costs more). Both are built
-from local text only, by ``_build_model.py`` run with the vLLM venv's interpreter, into a temporary
-directory renamed into place once complete (a marker file records the spec).
+that); ``small`` has random weights and exists for timings (recompute costs more); ``hybrid`` is a
+Gemma-3-style model with sliding-window and global layers (a hybrid KV cache), trained like
+``tiny``. All are built from local text only, by ``_build_model.py`` run with the vLLM venv's
+interpreter, into a temporary directory renamed into place once complete (a marker file records
+the spec).
 """
 
 from __future__ import annotations
@@ -59,7 +61,28 @@ MODEL_SPECS: dict[str, dict[str, Any]] = {
         "train_steps": 0,
         "verify_prompt_dependence": False,
     },
+    # Gemma-3-style hybrid attention: three sliding-window layers (128 tokens, one CPU block) and one
+    # global layer, so vLLM runs its hybrid KV cache manager (one KV cache group per layer). Trained
+    # like ``tiny`` on a third of its tokens (windows of two sliding windows); the build also checks
+    # that the global layer carries tokens beyond the sliding layers' reach.
+    "hybrid": {
+        **_COMMON,
+        "arch": "gemma3",
+        "num_layers": 4,
+        "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
+        "sliding_window": 128,
+        "hidden_size": 256,
+        "intermediate_size": 768,
+        "train_batch": 8,
+        "lr": 0.003,
+        "train_steps": 200,
+        "verify_long_range": True,
+        "verify_prompt_dependence": True,
+    },
 }
+
+#: Usual build time of the trained models on 2 free cores (the set-up message only).
+_BUILD_MINUTES = {"tiny": "6-10", "hybrid": "3-6"}
 
 
 def model_dir(name: str, home: Path | None = None) -> Path:
@@ -95,7 +118,7 @@ def ensure_model(
         tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         what = (
-            "trains on local text, usually 6-10 min on 2 cores"
+            f"trains on local text, usually {_BUILD_MINUTES.get(name, 'a few')} min on 2 cores"
             if MODEL_SPECS[name]["train_steps"]
             else "random weights, no training"
         )

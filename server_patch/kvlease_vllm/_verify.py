@@ -218,7 +218,10 @@ def verified_tokens(
     if bs != local_block_size:
         raise HandleRejected(Reason.BLOCK_SIZE, f"D's block size {bs} != P's {local_block_size}")
     n_prompt = len(prompt_token_ids)
-    named = min((len(g) for g in handle.block_ids), default=0)
+    # Full-attention groups name every block; the sliding-window (or Mamba) groups of a hybrid KV
+    # cache name only their in-window tail, so the longest list bounds what D holds. A hybrid
+    # handle is pulled only whole (``_guards.hybrid_partial_reason``), where the tails line up.
+    named = max((len(g) for g in handle.block_ids), default=0)
     ext = handle.ext
     limit = min((n_prompt - 1) // bs if n_prompt else 0, len(ext.hashes), handle.num_tokens // bs, named)
     if limit <= 0 and ext.tail is None:

@@ -373,3 +373,22 @@ def test_parse_handle_keeps_the_typed_handle() -> None:
     h = parse(params)
     assert h.params == TransferParams.from_json(params)
     assert h.ext == h.params.kvlease and h.ext.mac == params[KV.KVLEASE][LEASE_HANDLE_MAC]
+
+
+def test_hybrid_handle_with_sliding_window_tails_verifies_d_whole_sequence() -> None:
+    """A hybrid KV cache's handle: the full-attention group names every block, the sliding-window
+    groups only their in-window tail (as vLLM's hybrid manager hands them out). The token-exact
+    continuation verifies all of D's tokens; before, the shortest list capped it at 2 blocks."""
+    params = d_params()
+    n_blocks = len(params[KV.REMOTE_BLOCK_IDS][0])
+    params[KV.REMOTE_BLOCK_IDS] = [list(range(100, 100 + n_blocks))] + [
+        [200 + 10 * g, 201 + 10 * g] for g in range(3)
+    ]
+    cfg = KVLeaseConfig()
+    handle = parse_handle(
+        params, num_groups=4, host_allowed=cfg.host_allowed, max_parallel=cfg.max_remote_parallel
+    )
+    assert verified_tokens(handle, D_TOKENS + NEW_TURN, None, BS) == len(D_TOKENS)
+    # an edit inside D's sequence still verifies only the blocks before it (the connector then
+    # declines the partial pull on a hybrid cache: hybrid_partial)
+    assert verified_tokens(handle, edit(D_TOKENS, 3 * BS + 1) + NEW_TURN, None, BS) == 3 * BS
