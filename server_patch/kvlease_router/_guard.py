@@ -105,14 +105,16 @@ class _Guarded(asyncio.Protocol):
                 self._timer = asyncio.get_running_loop().call_later(
                     self._guard.header_timeout, self._head_late
                 )
-            seen = self._tail + data
-            if _HEAD_END in seen:
+            # only the 3 bytes kept from the last read are joined to this one (not all of it), and
+            # ``find`` rather than ``in`` (see ``_relay.suspicious``)
+            tail = self._tail
+            if data.find(_HEAD_END) >= 0 or (tail and (tail + data[:3]).find(_HEAD_END) >= 0):
                 self.awaiting_head = False
                 self._tail = b""
                 self._timer.cancel()
                 self._timer = None
             else:
-                self._tail = seen[-3:]
+                self._tail = (tail + data)[-3:] if len(data) < 3 else data[-3:]
         self._inner.data_received(data)
 
     def _head_late(self) -> None:

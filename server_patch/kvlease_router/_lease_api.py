@@ -7,9 +7,9 @@ the caller's tenant exactly like chat turns: another tenant's id is simply unkno
 Bounded cost, whatever the caller sends:
 
 * at most :data:`~kvlease.protocol.RENEW_MAX_IDS` ids a request (the SDK keeper's batch size is the
-  same constant), keyed from one HMAC state, read with one ``get_many`` (one Redis ``MGET``) and
-  written back with one ``renew_many`` (one pipeline; only the deadline changes) and, for leases
-  gone, one ``put_many``;
+  same constant), keyed from one primed BLAKE2b state, read with one ``get_many`` (one Redis
+  script call, or one ``MGET``) and written back with one ``renew_many`` (in place in memory; one
+  Redis script call, or one pipeline) and, for leases gone, one ``put_many``;
 * a per-tenant budget of ids a second (:class:`~kvlease_router._ratelimit.TenantBuckets`): past it
   ``429`` with ``Retry-After``;
 * a store error is ``503`` with ``Retry-After`` (the SDK retries), never ``200`` with every id

@@ -60,8 +60,11 @@ class TurnIO(Protocol):
 
 
 def suspicious(raw: bytes) -> bool:
-    """Whether ``raw`` may carry a handle: the key, or a ``\\u`` escape that may spell it."""
-    return NEEDLE in raw or _ESCAPE in raw
+    """Whether ``raw`` may carry a handle: the key, or a ``\\u`` escape that may spell it.
+
+    ``find``, not ``in``: CPython's ``bytes.__contains__`` first tries its argument as an integer
+    and raises (and clears) a TypeError for a bytes one, which costs more than the search itself."""
+    return raw.find(NEEDLE) >= 0 or raw.find(_ESCAPE) >= 0
 
 
 async def read_capped(resp: aiohttp.ClientResponse, cap: int) -> bytes:
@@ -91,7 +94,7 @@ def passthrough(
             body = orjson.dumps(obj)
         except (orjson.JSONDecodeError, orjson.JSONEncodeError):
             body, content_type = UPSTREAM_ERROR, JSON_CT
-        if NEEDLE in body:  # the handle quoted inside a message (validation errors)
+        if body.find(NEEDLE) >= 0:  # the handle quoted inside a message (validation errors)
             body, content_type = UPSTREAM_ERROR, JSON_CT
     resp = web.Response(status=status, body=body, content_type=content_type)
     resp.headers.update(turn.response_headers(router))

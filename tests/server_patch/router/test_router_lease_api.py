@@ -296,13 +296,49 @@ async def test_one_mget_per_renew_on_redis(make_cluster: ClusterFactory, redis_s
     for cid in ("m1", "m2"):
         await _first_turn(cluster, cid)
     probe = redis_client_from_url(redis_server.url, 1.0)
+    ids = ["m1", "m2", *(f"unknown{i}" for i in range(500))]
+    await _renew(cluster, ids)  # loads the read script (EVALSHA, NOSCRIPT, SCRIPT LOAD)
     await probe.config_resetstat()
-    status, body = await _renew(cluster, ["m1", "m2", *(f"unknown{i}" for i in range(500))])
+    status, body = await _renew(cluster, ids)
     assert status == 200 and body["leases"]["m1"]["expires_in"] > 0
     stats = await probe.info("commandstats")
-    assert stats["cmdstat_mget"]["calls"] == 1
-    assert "cmdstat_get" not in stats
+    # one command reads the batch: the read script (its GETs run inside Redis), no MGET, no
+    # GET of its own, nothing per id from the router
+    assert stats["cmdstat_evalsha"]["calls"] == 1 and "cmdstat_mget" not in stats
+    assert stats["cmdstat_get"]["calls"] == len(ids)  # inside the one script
     assert stats["cmdstat_set"]["calls"] == 2  # the two renewed records, in one pipeline
+    await probe.aclose()
+
+
+@pytest.mark.redis
+async def test_renew_on_redis_without_scripting_falls_back_to_one_mget(
+    make_cluster: ClusterFactory, redis_server: Any
+) -> None:
+    from kvlease_router import RedisStore, redis_client_from_url
+
+    store = RedisStore(redis_client_from_url(redis_server.url, 1.0), secret="test-key-secret", timeout=1.0)
+    cluster = await make_cluster(store=store)
+    for cid in ("f1", "f2"):
+        await _first_turn(cluster, cid)
+
+    def refuse(script: str) -> Any:
+        async def run(keys: Any = (), args: Any = ()) -> Any:
+            from redis.exceptions import ResponseError
+
+            raise ResponseError("NOPERM this user has no permissions to run the 'evalsha' command")
+
+        return run
+
+    store._client.register_script = refuse  # a Redis whose ACL forbids scripts
+    probe = redis_client_from_url(redis_server.url, 1.0)
+    await probe.config_resetstat()
+    ids = ["f1", "f2", *(f"unknown{i}" for i in range(500))]
+    for _ in range(2):
+        status, body = await _renew(cluster, ids)
+        assert status == 200 and body["leases"]["f1"]["expires_in"] > 0
+    stats = await probe.info("commandstats")
+    assert stats["cmdstat_mget"]["calls"] == 2 and "cmdstat_get" not in stats
+    assert not store._scripts_ok  # not tried again, and no back-off (the store stayed up)
     await probe.aclose()
 
 

@@ -160,6 +160,32 @@ class TestRedisStore(StoreContract):
         assert got == replace(_state(), expires_at=1_950_000_000.0) and store.rejected == 0
         await store.close()
 
+    async def test_large_batches_go_through_the_scripts_with_the_same_contract(
+        self, redis_server: RedisServer
+    ) -> None:
+        """Batches of a renew's size (scripts): what is missing, planted (not UTF-8, not sealed)
+        or gone meanwhile reads as absent or stays gone, and what is renewed is sealed anew."""
+        client = redis_client_from_url(redis_server.url, 1.0)
+        store = RedisStore(client, secret=KEY_SECRET)
+        keys = [f"b{i}" for i in range(200)]
+        await store.put_many([(k, _state(i), 30) for i, k in enumerate(keys)])
+        await client.set("kvlease:conv:b1", b"\xff\xfe not utf-8", px=30_000)
+        await client.set("kvlease:conv:b2", b"v1." + b"0" * 32 + b".{}", px=30_000)
+        got = await store.get_many([*keys, "missing"])
+        assert got[1] is None and got[2] is None and got[-1] is None
+        assert got[0] == _state(0) and got[199] == _state(199) and store.rejected == 2
+        await client.delete("kvlease:conv:b3")  # gone between the read and the renewal
+        live = [(k, r) for k, r in zip(keys, got) if r is not None]
+        await store.renew_many([k for k, _ in live], [r for _, r in live], 1_950_000_000.0, 42)
+        assert await client.exists("kvlease:conv:b3") == 0  # not brought back
+        assert 40_000 < await client.pttl("kvlease:conv:b4") <= 42_000
+        fresh = RedisStore(client, secret=KEY_SECRET)  # no memo: every MAC checked
+        again = await fresh.get_many(keys)
+        assert again[3] is None and again[4] == replace(_state(4), expires_at=1_950_000_000.0)
+        assert again[1] is None and fresh.rejected == 2
+        assert await store.get_many(keys) == again  # the writer's memo answers the same
+        await store.close()
+
     async def test_keys_carry_a_ttl_in_redis(self, redis_server: RedisServer) -> None:
         client = redis_client_from_url(redis_server.url, 1.0)
         store = RedisStore(client, secret=KEY_SECRET)
