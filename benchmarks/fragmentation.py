@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import subprocess
 import sys
 import urllib.request
 from pathlib import Path
@@ -45,11 +47,12 @@ def run(quick: bool = False) -> dict[str, Any]:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import trace_replay as tr
 
-    from kvlease.protocol import CONTROL_METRICS_PATH
+    from kvlease.protocol import CONTROL_AUTH_HEADER, CONTROL_METRICS_PATH
     from kvlease_stack import Metrics, Stack, StackSpec, default_dtype, parse_prometheus
     from kvlease_stack.demo import router_process
 
     plans = tr.make_trace(8 if quick else 20)
+    load_before = _uptime()
     spec = StackSpec(model="small", ttl=tr.D_TTL, prefix_caching=False, dtype=default_dtype())
     with Stack.start(spec, timeout=600) as stack, router_process(stack) as router:
         asyncio.run(tr._arm(router, stack.model_name, plans, "heartbeats"))
@@ -57,17 +60,37 @@ def run(quick: bool = False) -> dict[str, Any]:
         for node in (stack.prefill, stack.decode):
             if node.control is None:
                 continue
-            with urllib.request.urlopen(node.control + CONTROL_METRICS_PATH, timeout=30) as resp:
+            # the control endpoint's /metrics needs the control secret
+            req = urllib.request.Request(
+                node.control + CONTROL_METRICS_PATH,
+                headers={CONTROL_AUTH_HEADER: f"Bearer {stack.control_secret}"},
+            )
+            with urllib.request.urlopen(req, timeout=30) as resp:
                 for key, value in parse_prometheus(resp.read().decode()).items():
                     merged[key] = merged.get(key, 0.0) + value
-    out: dict[str, Any] = {"conversations": len(plans), "arm": "heartbeats"}
+    out: dict[str, Any] = {
+        "conversations": len(plans),
+        "arm": "heartbeats",
+        "uptime_before": load_before,
+        "uptime_after": _uptime(),
+        "load_avg_after": [round(x, 2) for x in os.getloadavg()],
+    }
     for field, (name, labels) in HISTOGRAMS.items():
         out[field] = histogram(merged, name, **labels)
     return out
 
 
+def _uptime() -> str:
+    """``uptime``'s line (the machine's load: the stack shares its 2 cores with other work)."""
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "load average: " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def print_table(res: dict[str, Any]) -> None:
     print(f"\n{res['conversations']} conversations ({res['arm']}): per pull")
+    print(f"uptime before: {res.get('uptime_before')}\nuptime after:  {res.get('uptime_after')}")
     for field in HISTOGRAMS:
         h = res[field]
         mean = "n/a" if h["mean"] is None else f"{h['mean']:.1f}"

@@ -13,6 +13,14 @@ measured. Arms:
   history, as frameworks that drop reasoning do: the whole turn-1 prompt verifies and is pulled, the
   rest is recomputed (the SDK leaves reuse on for this behind the kvlease connector).
 
+kvlease also runs with staged pulls (``kvlease.staging``, see ``kvlease_vllm._worker``) forced on:
+the arm ``kvlease`` runs with ``staging: off`` (upstream's per-block READ), the arm
+``kvlease+staging=always`` pulls every turn through D's staging buffer (one READ), so its
+pull time is compared with kvlease's per-block pull (``staged_vs_per_block``; on this CPU stack a
+pull is a handful of contiguous blocks, where staging is not expected to gain, only not to lose).
+``--staging MODES`` (or ``$KVLEASE_TTFT_STAGING``, comma-separated ``auto``/``always``; empty: none)
+picks the staged arms.
+
 Each configuration runs with P's prefix cache off and on; figures are medians of ``n`` conversations,
 every conversation with its own ``cache_salt``. A pull takes a few hundred ms here and varies by tens
 of percent from one conversation to the next, so with P's prefix cache off (the case the comparison
@@ -25,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import time
@@ -127,13 +136,15 @@ def measure(
     goes to ``samples_out`` when given."""
     rng = random.Random(seed)
     results: dict[int, dict[str, float]] = {}
+    # the edited and stripped arms measure verification, not the transfer: kvlease's plain arm only
+    verify_arms = spec.connector == "kvlease" and spec.kvlease.get("staging", "off") == "off"
     with Stack.start(spec, timeout=900) as stack, httpx.Client(timeout=TIMEOUT) as http:
-        _trial(http, stack, sizes[0], rng, spec.connector == "kvlease")  # warm-up, not timed
+        _trial(http, stack, sizes[0], rng, verify_arms)  # warm-up, not timed
         for size in sizes:
             _pull_only(http, stack, size, rng)  # first use of this length, not timed
             samples: dict[str, list[float]] = {}
             for _ in range(n):
-                for arm, t in _trial(http, stack, size, rng, spec.connector == "kvlease").items():
+                for arm, t in _trial(http, stack, size, rng, verify_arms).items():
                     samples.setdefault(arm, []).append(t)
             for _ in range(n_pull - n):
                 samples["pull"].append(_pull_only(http, stack, size, rng))
@@ -148,8 +159,34 @@ def measure(
     return results
 
 
-def run(quick: bool = False) -> dict[str, Any]:
-    """Run the benchmark; returns ``{"<connector>/prefix_cache=<on|off>": {size: {arm: ms}}}``."""
+#: Staged arms run by default (``--staging`` / ``$KVLEASE_TTFT_STAGING`` override).
+DEFAULT_STAGING = "always"
+
+
+def staging_modes(raw: str | None = None) -> tuple[str, ...]:
+    """The staged arms: ``auto`` / ``always``, comma-separated (empty: none)."""
+    raw = os.environ.get("KVLEASE_TTFT_STAGING", DEFAULT_STAGING) if raw is None else raw
+    modes = tuple(m.strip() for m in raw.split(",") if m.strip())
+    bad = [m for m in modes if m not in ("auto", "always")]
+    if bad:
+        raise ValueError(f"staging arms must be auto or always, not {', '.join(bad)}")
+    return modes
+
+
+def _configurations(staging: tuple[str, ...]) -> list[tuple[str, str, dict[str, Any]]]:
+    """``(key prefix, connector, kvlease config)`` of every arm: kvlease's per-block pull (staging
+    off, upstream's READ), its staged arms, upstream's connector."""
+    arms: list[tuple[str, str, dict[str, Any]]] = [("kvlease", "kvlease", {"staging": "off"})]
+    arms += [(f"kvlease+staging={m}", "kvlease", {"staging": m}) for m in staging]
+    return [*arms, ("nixl", "nixl", {})]
+
+
+def run(quick: bool = False, staging: str | None = None, arms: str | None = None) -> dict[str, Any]:
+    """Run the benchmark; returns ``{"<arm>/prefix_cache=<on|off>": {size: {arm: ms}}}``.
+    ``arms``: comma-separated arm names to run (``kvlease``, ``kvlease+staging=auto``, ``nixl``, ...;
+    default all)."""
+    modes = staging_modes(staging)
+    only = {a.strip() for a in arms.split(",") if a.strip()} if arms else None
     sizes = (1024, 2048) if quick else (1024, 2048, 3584)
     n, n_pull_off = 5, (7 if quick else 11)
     prefix_modes = (False,) if quick else (False, True)
@@ -158,22 +195,43 @@ def run(quick: bool = False) -> dict[str, Any]:
         "n": n,
         "n_pull_prefix_cache_off": n_pull_off,
         "model": "small",
+        "staging_arms": list(modes),
         "results": {},
         "samples_ms": {},
     }
     for prefix in prefix_modes:
-        for connector in ("kvlease", "nixl"):
+        for name, connector, kvlease in _configurations(modes):
+            if only is not None and name not in only:
+                continue
             spec = StackSpec(
                 model="small",
                 connector=connector,  # type: ignore[arg-type]
                 ttl=600.0,
                 prefix_caching=prefix,
                 dtype=default_dtype(),
+                kvlease=kvlease,
             )
-            key = f"{connector}/prefix_cache={'on' if prefix else 'off'}"
+            key = f"{name}/prefix_cache={'on' if prefix else 'off'}"
             samples = out["samples_ms"][key] = {}
             out["results"][key] = measure(spec, sizes, n, n if prefix else n_pull_off, samples_out=samples)
     out["pull_vs_upstream"] = pull_vs_upstream(out["results"])
+    out["staged_vs_per_block"] = staged_vs_per_block(out["results"], modes)
+    return out
+
+
+def staged_vs_per_block(results: dict[str, Any], modes: tuple[str, ...]) -> dict[str, Any]:
+    """Each staged arm's median pull time over kvlease's per-block pull, per prefix mode and size."""
+    out: dict[str, Any] = {}
+    for mode in modes:
+        for cache in ("off", "on"):
+            staged = results.get(f"kvlease+staging={mode}/prefix_cache={cache}")
+            plain = results.get(f"kvlease/prefix_cache={cache}")
+            if staged and plain:
+                out[f"staging={mode}/prefix_cache={cache}"] = {
+                    size: round(staged[size]["pull"] / plain[size]["pull"], 3)
+                    for size in staged
+                    if size in plain
+                }
     return out
 
 
@@ -215,6 +273,11 @@ def table(result: dict[str, Any]) -> str:
                 f"kvlease pull / upstream pull, {mode}: "
                 + ", ".join(f"{size}: {ratio:.2f}" for size, ratio in by_size.items())
             )
+    for arm, by_size in result.get("staged_vs_per_block", {}).items():
+        lines.append(
+            f"staged pull / per-block pull, {arm}: "
+            + ", ".join(f"{size}: {ratio:.2f}" for size, ratio in by_size.items())
+        )
     return "\n".join(lines)
 
 
@@ -222,8 +285,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1k and 2k tokens, P prefix cache off only")
     ap.add_argument("--json", help="also write the figures to this file")
+    ap.add_argument(
+        "--staging",
+        default=None,
+        help=f"staged kvlease arms, comma-separated auto/always ('' for none; default {DEFAULT_STAGING})",
+    )
+    ap.add_argument("--arms", default=None, help="only these arms, comma-separated (e.g. kvlease,nixl)")
     args = ap.parse_args()
-    result = run(quick=args.quick)
+    result = run(quick=args.quick, staging=args.staging, arms=args.arms)
     print(table(result))
     if args.json:
         with open(args.json, "w") as f:

@@ -20,11 +20,13 @@ VLLM_VERSION: str = str(getattr(vllm, "__version__", ""))
 check_vllm_version(VLLM_VERSION)
 
 # Imports below are the whole vLLM surface kvlease touches; keep them here.
+from vllm import envs as vllm_envs  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (  # noqa: E402
     NixlConnector,
     NixlConnectorMetadata,
     NixlPullConnectorScheduler,
+    NixlPullConnectorWorker,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (  # noqa: E402
     NIXL_CONNECTOR_VERSION,
@@ -58,6 +60,8 @@ __all__ = [
     "NixlConnector",
     "NixlConnectorMetadata",
     "NixlPullConnectorScheduler",
+    "NixlPullConnectorWorker",
     "RequestStatus",
     "init_logger",
+    "vllm_envs",
 ]

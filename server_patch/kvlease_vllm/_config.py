@@ -126,6 +126,29 @@ class KVLeaseConfig:
     allowed_remote_hosts: tuple[str, ...] | None = None
     #: Largest tp_size/dcp_size/pp_size accepted from a handle.
     max_remote_parallel: int = 64
+    #: Staged pulls (``kvlease_vllm._worker``): D's worker gathers a leased request's blocks into a
+    #: registered contiguous buffer, P reads it with ONE NIXL READ and scatters it into its blocks.
+    #: ``off``: upstream's per-block READ always; ``auto``: staged when the pull's descriptors
+    #: (contiguous block runs x KV regions) reach ``staging_min_descriptors`` and the cost model
+    #: predicts it faster; ``always``: every pull that fits (tests). Any refusal falls back to the
+    #: per-block READ; a D without staging is read block by block.
+    staging: str = "auto"
+    #: Capacity of each worker's staging buffer, in tokens of this model's KV (the buffer is
+    #: allocated next to the KV cache: leave room for it, e.g. lower gpu_memory_utilization).
+    staging_max_tokens: int = 8192
+    #: How long P waits for D's gather before pulling block by block instead.
+    staging_timeout_s: float = 2.0
+    staging_min_descriptors: int = 2048
+    #: Staged pull rate (gather + one READ + scatter) until measured: H200, 6.4 GB in 18.1 ms with
+    #: the 5 ms fixed cost (benchmarks/gpu_nixl_pull.json, ``staged``).
+    staging_bandwidth_bps: float = 4.9e11
+    #: D: the staging listener's port of tensor-parallel rank 0 (rank r: + r); 0 picks free ports.
+    staging_port: int = 0
+    #: Poll timeout (microseconds) of NIXL's progress thread in this node's workers: it waits on
+    #: the UCX workers' event descriptors instead of spinning a core (NIXL's Python API sets 0, a
+    #: spin). Measured: idle 1.00 -> 0.014 cores on an H200 host with READ times unchanged
+    #: (benchmarks/RESULTS.md). 0 keeps NIXL's spin.
+    nixl_progress_delay_us: int = 1000
 
     def secret(self, environ: Mapping[str, str] | None = None) -> str | None:
         env = os.environ if environ is None else environ
@@ -183,7 +206,20 @@ _FLOAT_RANGES: Final[dict[str, tuple[float, float, bool]]] = {
     "pull_explore_fraction": (0.0, 1.0, True),
     "default_prefill_tokens_per_s": (0.0, 1e9, False),
     "pull_fixed_latency_s": (0.0, 60.0, True),
+    "staging_timeout_s": (0.0, 60.0, False),
+    "staging_bandwidth_bps": (0.0, 1e15, False),
 }
+#: Integer keys: name -> (lo, hi), both inclusive.
+_INT_RANGES: Final[dict[str, tuple[int, int]]] = {
+    "control_port": (0, 65535),
+    "max_remote_parallel": (1, 4096),
+    "staging_max_tokens": (0, 1 << 22),
+    "staging_min_descriptors": (0, 1 << 30),
+    "staging_port": (0, 65535),
+    "nixl_progress_delay_us": (0, 1_000_000),
+}
+#: ``staging`` values: never, when it pays, whenever it fits.
+STAGING_MODES: Final = ("off", "auto", "always")
 
 
 def _is_num(v: object) -> bool:
@@ -214,8 +250,12 @@ def parse_kvlease_config(raw: object) -> KVLeaseConfig:
                 bracket = "[" if lo_incl else "("
                 raise ConfigError(f"{key} must be a number in {bracket}{lo}, {hi}], got {value!r}")
             out[name] = float(value)
-        elif name in ("control_port", "max_remote_parallel"):
-            lo_i, hi_i = (0, 65535) if name == "control_port" else (1, 4096)
+        elif name == "staging":
+            if value not in STAGING_MODES:
+                raise ConfigError(f"{key} must be one of {', '.join(STAGING_MODES)}, got {value!r}")
+            out[name] = value
+        elif name in _INT_RANGES:
+            lo_i, hi_i = _INT_RANGES[name]
             if not isinstance(value, int) or isinstance(value, bool) or not lo_i <= value <= hi_i:
                 raise ConfigError(f"{key} must be an integer in [{lo_i}, {hi_i}], got {value!r}")
             out[name] = value

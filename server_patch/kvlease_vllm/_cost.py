@@ -8,6 +8,11 @@ READ measured on an H200 (``benchmarks/gpu_nixl_pull.json``): vLLM's worker post
 (layer, K/V, block), ~3.2 us each, plus the bytes at the coalesced rate (~750 GB/s) and a fixed cost
 (~5 ms).
 
+A staged pull (``kvlease_vllm._worker``: D gathers, one READ, P scatters) has no per-descriptor
+cost: its default is the bytes at the staged rate measured on the same H200 (6.4 GB in 18.1 ms, the
+fixed cost included), and it learns from its own observations (``staged=True``), apart from the
+per-block pulls.
+
 A model that never pulls never learns the pull rate, so a small fraction of cost declines is
 explored (pulled anyway, deterministically every ``1 / explore_fraction``-th one, and only when the
 prediction is within :data:`EXPLORE_MAX_RATIO` of recompute): a wrong default corrects itself.
@@ -75,6 +80,7 @@ class CostModel:
         descriptors_per_token: float = 0.0,
         per_descriptor_s: float = 0.0,
         explore_fraction: float = 0.0,
+        staged_bandwidth_bps: float | None = None,
         alpha: float = 0.3,
     ) -> None:
         if bytes_per_token <= 0 or default_bandwidth_bps <= 0 or default_prefill_tokens_per_s <= 0:
@@ -88,14 +94,25 @@ class CostModel:
         self.default_pull_s_per_token = (
             descriptors_per_token * per_descriptor_s + bytes_per_token / default_bandwidth_bps
         )
+        if staged_bandwidth_bps is not None and staged_bandwidth_bps <= 0:
+            raise ValueError("staged_bandwidth_bps must be positive")
+        #: staged: the bytes at the staged rate, no per-descriptor cost
+        self.default_staged_s_per_token = (
+            bytes_per_token / staged_bandwidth_bps if staged_bandwidth_bps else self.default_pull_s_per_token
+        )
         self._explore_every = round(1 / explore_fraction) if explore_fraction > 0 else 0
         self._cost_declines = 0
         self._spt = _Ewma(alpha)  # pull seconds per token, after the fixed cost
+        self._staged = _Ewma(alpha)  # the same, of staged pulls
         self._tps = _Ewma(alpha)
 
     @property
     def pull_s_per_token(self) -> float:
         return self._spt.value if self._spt.value is not None else self.default_pull_s_per_token
+
+    @property
+    def staged_s_per_token(self) -> float:
+        return self._staged.value if self._staged.value is not None else self.default_staged_s_per_token
 
     @property
     def bandwidth_bps(self) -> float:
@@ -111,13 +128,14 @@ class CostModel:
         """(pull samples, prefill samples)."""
         return self._spt.samples, self._tps.samples
 
-    def observe_pull(self, tokens: int, seconds: float) -> None:
-        """A pull of ``tokens`` tokens took ``seconds`` (from the decision to the completed read)."""
+    def observe_pull(self, tokens: int, seconds: float, *, staged: bool = False) -> None:
+        """A pull of ``tokens`` tokens took ``seconds`` (from the decision to the completed read);
+        ``staged``: it was planned as a staged pull."""
         if tokens <= 0 or not math.isfinite(seconds) or seconds <= 0:
             return
         # the fixed part is modelled separately; never let it drive the rate to ~0
         transfer = max(seconds - self.fixed_latency_s, seconds * 0.1)
-        self._spt.add(transfer / tokens)
+        (self._staged if staged else self._spt).add(transfer / tokens)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """``tokens`` prompt tokens were computed in ``seconds``."""
@@ -125,14 +143,16 @@ class CostModel:
             return
         self._tps.add(tokens / seconds)
 
-    def predict_pull_s(self, tokens: int) -> float:
-        return self.fixed_latency_s + tokens * self.pull_s_per_token
+    def predict_pull_s(self, tokens: int, *, staged: bool = False) -> float:
+        rate = self.staged_s_per_token if staged else self.pull_s_per_token
+        return self.fixed_latency_s + tokens * rate
 
     def predict_recompute_s(self, tokens: int) -> float:
         return tokens / self.prefill_tokens_per_s
 
-    def decide(self, gain_tokens: int, threshold: int) -> Decision:
-        t_pull = self.predict_pull_s(max(gain_tokens, 0))
+    def decide(self, gain_tokens: int, threshold: int, *, staged: bool = False) -> Decision:
+        """``staged``: the pull is expected to take the staged path (predicted at its rate)."""
+        t_pull = self.predict_pull_s(max(gain_tokens, 0), staged=staged)
         t_rec = self.predict_recompute_s(max(gain_tokens, 0))
         if gain_tokens <= 0:
             return Decision(False, Reason.LOCAL_HIT, gain_tokens, t_pull, t_rec)

@@ -19,12 +19,13 @@ its internals gets upstream's behaviour rather than an error.
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
 import threading
 from types import ModuleType
 from typing import Any
 
-__all__ = ["install", "installed_delay_us"]
+__all__ = ["configure", "install", "installed_delay_us"]
 
 _lock = threading.Lock()
 
@@ -101,3 +102,18 @@ def installed_delay_us(api: ModuleType | None = None) -> int:
 
 class _NoCode:
     co_names: tuple[str, ...] = ()
+
+
+def configure(delay_us: int) -> bool:
+    """:func:`install` for a vLLM worker, logging what applies (``kvlease.nixl_progress_delay_us``)."""
+    log = logging.getLogger("vllm.kvlease.progress")  # under vLLM's configured logger
+    applied = install(delay_us)
+    if delay_us and applied:
+        log.info("kvlease: NIXL's progress thread polls (timeout %d us) instead of spinning", delay_us)
+    elif delay_us:
+        log.warning(
+            "kvlease: kvlease.nixl_progress_delay_us=%d not applied: this NIXL's Python API has an "
+            "unexpected shape, so its progress thread spins as upstream's does",
+            delay_us,
+        )
+    return applied

@@ -1,15 +1,16 @@
 """``KVLeaseConnector``: vLLM's pull ``NixlConnector`` with renewable leases and verified pulls.
 
 Load it with ``"kv_connector": "KVLeaseConnector", "kv_connector_module_path": "kvlease_vllm.connector"``.
-Only the scheduler side changes; the workers are upstream's (renewals and releases reach their
-expiry sweep as new deadlines in upstream's own ``reqs_to_send`` metadata). D holds a leased
-request's blocks with its own block-pool reference (``kvlease.own_block_refs``), so the finished
+The workers are upstream's (renewals and releases reach their expiry sweep as new deadlines in
+upstream's own ``reqs_to_send`` metadata), subclassed for staged pulls (``kvlease_vllm._worker``,
+unless ``kvlease.staging`` is off). D holds a leased request's blocks with its own block-pool reference (``kvlease.own_block_refs``), so the finished
 request leaves vLLM's scheduler at once and an idle engine stops stepping while leases are held;
 the workers' ``finished_sending`` for those ids drops the reference and never reaches the
 scheduler's own loop.
 
 Overridden (signatures pinned by a test against the sources of vLLM 0.32 and 0.33):
-- connector: ``__init__`` (config checks that refuse at start-up), ``bind_gpu_block_pool``,
+- connector: ``__init__`` (config checks that refuse at start-up; the staging worker),
+  ``set_xfer_handshake_metadata_pp_aware`` (D: the workers' staging ports), ``bind_gpu_block_pool``,
   ``has_pending_block_frees``, ``supports_sleep_mode`` (0.33: refused, sleep discards leased KV);
 - scheduler: ``get_num_new_matched_tokens`` (P: verify, decide, claim), ``update_state_after_alloc``
   (P: trim at the scheduler's final external token count), ``request_finished`` (D: lease +
@@ -23,12 +24,12 @@ import math
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from kvlease import __version__ as KVLEASE_VERSION
-from kvlease.protocol import KV, ControlInfo, PrefillReport, Role
-from kvlease_vllm import _control
+from kvlease.protocol import KV, ControlInfo, Role
+from kvlease_vllm import _control, _progress, _staging
 from kvlease_vllm._compat import (
     NIXL_CONNECTOR_VERSION,
     NIXL_VERSION,
@@ -59,6 +60,7 @@ from kvlease_vllm._guards import (
 )
 from kvlease_vllm._layout import kv_regions, pull_shape, transport_advice
 from kvlease_vllm._metrics import ConnectorMetrics
+from kvlease_vllm._pull import Pull, claim_outcome
 from kvlease_vllm._retention import RetentionTable
 from kvlease_vllm._verify import (
     HandleRejected,
@@ -67,7 +69,6 @@ from kvlease_vllm._verify import (
     handle_ext,
     handle_mac,
     parse_handle,
-    reuse_status,
     strip_remote,
     trim_params,
     verified_tokens,
@@ -87,29 +88,6 @@ logger = init_logger("vllm.kvlease.connector")
 __all__ = ["KVLeaseConnector"]
 
 _PROCESSED = "_remote_blocks_processed"  # upstream's marker: the handle was used once
-
-
-@dataclass
-class _Pull:
-    """P side: one request's handle, from the decision to the completed read."""
-
-    handle: RemoteHandle | None
-    verified: int = 0  # verified tokens of the handle (whole blocks, maybe a partial last one)
-    claim: Future[ClaimResult] | None = None
-    started: float | None = None  # when (gain, True) was first returned
-    tokens: int = 0
-    outcome: Reason | None = None
-    local: int = 0  # P's own prefix-cache tokens when the pull was decided
-    deadline: float | None = None  # D's absolute deadline after the claim (D's clock)
-    claimed_at: float | None = None  # when the last claim succeeded (P's clock)
-    reclaim: Future[ClaimResult] | None = None
-    trimmed: bool = False  # the handle was cut to the scheduler's final count
-
-    def report(self) -> PrefillReport:
-        """P's reuse report for the router (``kvlease`` object of P's response params)."""
-        status = reuse_status(self.outcome)
-        hit = self.outcome is Reason.PULL
-        return PrefillReport(self.tokens if hit else 0, status.value)
 
 
 class KVLeaseScheduler(NixlPullConnectorScheduler):
@@ -133,7 +111,12 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
             default_prefill_tokens_per_s=cfg.default_prefill_tokens_per_s,
             fixed_latency_s=cfg.pull_fixed_latency_s,
             explore_fraction=cfg.pull_explore_fraction,
+            staged_bandwidth_bps=cfg.staging_bandwidth_bps,
         )
+        #: D: its workers' staging ports by TP rank (from their handshake payloads), or None;
+        #: P: request id -> D's ports, for the staged pulls planned this step (to the workers).
+        self.staging_ports: tuple[int, ...] | None = None
+        self._stage_plans: dict[str, tuple[int, ...]] = {}
         parallel = vllm_config.parallel_config
         self.dp_index = int(parallel.data_parallel_index or 0)
         self.context_parallel = (
@@ -144,7 +127,7 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
         self.kv_regions = kv_regions(kv_cache_config)  # registered KV tensors: layers x (K, V)
         buffer = getattr(vllm_config.kv_transfer_config, "kv_buffer_device", None)
         level, self.transport = transport_advice(PLATFORM_DEVICE_TYPE, os.environ, buffer)
-        self._pulls: dict[str, _Pull] = {}
+        self._pulls: dict[str, Pull] = {}
         self._prefill_t0: dict[str, tuple[float, int]] = {}
         #: Blocks each waiting request asked about this step still needs (dropped once allocated):
         #: what is left at the end of the step could not get its blocks.
@@ -227,7 +210,7 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
         if pull.claim is not None:
             if not pull.claim.done():
                 return None, False  # type: ignore[return-value]  # vLLM: "ask again next step"
-            result, error = _claim_outcome(pull.claim)
+            result, error = claim_outcome(pull.claim)
             pull.claim = None
             if result is None:
                 return self._decline(request, params, Reason.CLAIM_FAILED, error, warn=True)
@@ -254,7 +237,7 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
             logger.info("kvlease %s: pulling %d verified tokens from %s", rid, gain, pull.handle.engine_id)
         return gain, True
 
-    def _plan(self, request: Request, params: dict[str, Any], num_computed_tokens: int) -> _Pull:
+    def _plan(self, request: Request, params: dict[str, Any], num_computed_tokens: int) -> Pull:
         try:
             handle = parse_handle(
                 params,
@@ -298,13 +281,15 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
         )
         if why:
             return self._decline_plan(request, params, Reason.HYBRID_PARTIAL, why)
-        decision = self.cost.decide(verified - num_computed_tokens, self.kv_recompute_threshold)
+        gain = verified - num_computed_tokens
+        staged = _staging.expect_staged(self.cfg, bool(handle.ext.staging), gain)
+        decision = self.cost.decide(gain, self.kv_recompute_threshold, staged=staged)
         if not decision.pull:
             return self._decline_plan(request, params, decision.reason, decision.describe())
         (logger.info if decision.explored else logger.debug)(
             "kvlease %s: %s", request.request_id, decision.describe()
         )
-        pull = _Pull(handle, verified)
+        pull = Pull(handle, verified, staged=staged)
         if self.cfg.claim and handle.ext.control:
             if not self.secret:
                 return self._decline_plan(
@@ -334,7 +319,7 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
         # recompute; never contact the decode node for this handle. vLLM reads the request's
         # kv_transfer_params dict: a fresh copy that names no blocks replaces it (not edited).
         request.kv_transfer_params = strip_remote(params)
-        self._pulls[request.request_id] = _Pull(None, outcome=reason)
+        self._pulls[request.request_id] = Pull(None, outcome=reason)
         self.metrics.pull_decisions.labels(reason.value).inc()
         (logger.warning if warn else logger.info)(
             "kvlease %s: recompute (%s): %s", request.request_id, reason.value, detail
@@ -343,7 +328,7 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
 
     def _decline_plan(
         self, request: Request, params: dict[str, Any], reason: Reason, detail: str, *, warn: bool = False
-    ) -> _Pull:
+    ) -> Pull:
         self._decline(request, params, reason, detail, warn=warn)
         return self._pulls[request.request_id]
 
@@ -387,6 +372,8 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
             lora=lora_tag(request.lora_request),
             mm=request_mm_digest(request.mm_features, num_tokens),
         )
+        if self.staging_ports and self.cfg.staging != _staging.OFF:
+            ext = replace(ext, staging=self.staging_ports)
         if self.secret:  # the MAC covers the routing fields of upstream's dict and the object
             ext = replace(ext, mac=handle_mac(self.secret, {**out, KV.KVLEASE: ext.to_json()}))
         if self.cfg.own_block_refs and self.block_pool is not None:
@@ -427,9 +414,15 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
             return
         self.metrics.observe_pull_shape(shape)
         rid, regions = request.request_id, self.kv_regions
-        logger.info("kvlease %s: pull of %d tokens: %s", rid, num_external_tokens, shape.describe(regions))
+        pull = self._pulls[rid]
+        ports = pull.handle.ext.staging if pull.handle is not None else None
+        choice = _staging.plan_pull(self.cfg, self.cost, ports, local, remote, regions, num_external_tokens)
+        if choice.staged and ports:
+            pull.staged, self._stage_plans[rid] = True, ports
+        described = f"{shape.describe(regions)}; {choice.describe()}"
+        logger.info("kvlease %s: pull of %d tokens: %s", rid, num_external_tokens, described)
 
-    def _trim_final(self, request: Request, pull: _Pull, num_external_tokens: int) -> None:
+    def _trim_final(self, request: Request, pull: Pull, num_external_tokens: int) -> None:
         """Cut the handle to the scheduler's final external count (0.33's ``cap_external_hit`` and
         the prefix-replay truncation may lower it after ``get_num_new_matched_tokens``)."""
         assert pull.handle is not None
@@ -469,13 +462,17 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
         self._relieve_pressure(need=head)
         self._reqs_need_send.update(self.desk.take_updates())
         self._reclaim_waiting(time.perf_counter())
-        return super().build_connector_meta(scheduler_output)
+        meta = super().build_connector_meta(scheduler_output)
+        if self._stage_plans and meta is not None:  # P: this step's staged pulls, to the workers
+            setattr(meta, _staging.PLANS_ATTR, self._stage_plans)
+            self._stage_plans = {}
+        return meta
 
     def _reclaim_waiting(self, now: float) -> None:
         """P: renew the claim of every read still waiting past half the claim hold."""
         for rid, pull in self._pulls.items():
             if pull.reclaim is not None and pull.reclaim.done():
-                result, error = _claim_outcome(pull.reclaim)
+                result, error = claim_outcome(pull.reclaim)
                 pull.reclaim = None
                 if result is None or result.left is None:
                     logger.warning(
@@ -527,7 +524,7 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
                 self.metrics.pull_decisions.labels(Reason.FAILED.value).inc()
                 logger.warning("kvlease %s: pull failed; recomputing", rid)
             else:
-                self.cost.observe_pull(pull.tokens, now - pull.started)
+                self.cost.observe_pull(pull.tokens, now - pull.started, staged=pull.staged)
             pull.started = -1.0  # observed once
 
     def shutdown(self) -> None:
@@ -556,6 +553,16 @@ class KVLeaseConnector(NixlConnector):  # type: ignore[misc,valid-type]
         if warning and role == KVConnectorRole.SCHEDULER:
             logger.warning("kvlease: %s", warning)
         ktc.kv_load_failure_policy = policy
+        if role == KVConnectorRole.WORKER:  # before upstream's worker creates its NIXL agent
+            _progress.configure(cfg.nixl_progress_delay_us)
+        if role == KVConnectorRole.WORKER and cfg.staging != _staging.OFF:
+            # upstream's base connector, then our worker in place of upstream's pull worker
+            super(NixlConnector, self).__init__(vllm_config, role, kv_cache_config)
+            from kvlease_vllm._worker import KVLeaseWorker  # torch: only in the worker role
+
+            self.connector_scheduler = None
+            self.connector_worker = KVLeaseWorker(vllm_config, self.engine_id, kv_cache_config, cfg)
+            return
         super().__init__(vllm_config, role, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = KVLeaseScheduler(vllm_config, self.engine_id, kv_cache_config, cfg)
@@ -565,6 +572,14 @@ class KVLeaseConnector(NixlConnector):  # type: ignore[misc,valid-type]
         """Refused (vLLM 0.33 asks; 0.32 has no such hook): sleep discards the KV cache while D
         still advertises leases on it, and P would read freed or foreign blocks."""
         return False
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+        """D: the workers' staging ports, taken off their handshake payloads before upstream
+        serves them (P's upstream reads exactly upstream's payload)."""
+        ports, clean = _staging.take_ports(metadata)
+        if isinstance(self.connector_scheduler, KVLeaseScheduler):
+            self.connector_scheduler.staging_ports = ports
+        super().set_xfer_handshake_metadata_pp_aware(clean)
 
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
         super().bind_gpu_block_pool(gpu_block_pool)
@@ -579,11 +594,3 @@ class KVLeaseConnector(NixlConnector):  # type: ignore[misc,valid-type]
         # Released leases are freed by the workers' sweep in this very step, so the request that
         # could not allocate waits one step instead of evicting a running request.
         return bool(sched._relieve_pressure(emergency=True))
-
-
-def _claim_outcome(fut: Future[ClaimResult]) -> tuple[ClaimResult | None, str]:
-    """The claim's result, or None and why it failed (in words, for the decline's log line)."""
-    try:
-        return fut.result(), ""
-    except Exception as e:
-        return None, f"D's control endpoint did not answer the claim ({type(e).__name__}: {e})"

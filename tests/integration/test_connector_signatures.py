@@ -40,6 +40,7 @@ EXPECTED = {
     "KVLeaseConnector.__init__",
     "KVLeaseConnector.bind_gpu_block_pool",
     "KVLeaseConnector.has_pending_block_frees",
+    "KVLeaseConnector.set_xfer_handshake_metadata_pp_aware",
     "KVLeaseScheduler.__init__",
     "KVLeaseScheduler.get_num_new_matched_tokens",
     "KVLeaseScheduler.request_finished",

@@ -87,3 +87,23 @@ def test_an_unexpected_nixl_gets_upstream_behaviour() -> None:
 def test_negative_delay_is_refused() -> None:
     with pytest.raises(ValueError, match="delay_us"):
         _progress.install(-1, fake_api())
+
+
+def test_the_config_key_defaults_to_polling_and_is_validated() -> None:
+    from kvlease_vllm._config import ConfigError, KVLeaseConfig, parse_kvlease_config
+
+    assert KVLeaseConfig().nixl_progress_delay_us == 1000
+    assert parse_kvlease_config({"nixl_progress_delay_us": 0}).nixl_progress_delay_us == 0
+    for bad in (-1, 1.5, True, "1000", 10**7):
+        with pytest.raises(ConfigError, match=r"kvlease\.nixl_progress_delay_us"):
+            parse_kvlease_config({"nixl_progress_delay_us": bad})
+
+
+def test_configure_logs_when_it_cannot_apply(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_progress, "_api_module", lambda: None)  # no NIXL here
+    with caplog.at_level("WARNING"):
+        assert _progress.configure(1000) is False
+    assert "nixl_progress_delay_us=1000 not applied" in caplog.text
+    assert _progress.configure(0) is False  # nothing asked, nothing said

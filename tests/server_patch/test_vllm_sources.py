@@ -26,8 +26,15 @@ from kvlease_stack._vllm_src import SUPPORTED, vllm_source
 pytestmark = pytest.mark.slow
 
 CONNECTOR = Path(__file__).resolve().parents[2] / "server_patch" / "kvlease_vllm" / "connector.py"
+WORKER = CONNECTOR.with_name("_worker.py")
 #: our class -> the upstream class it subclasses (as named in _compat).
-OURS = {"KVLeaseScheduler": "NixlPullConnectorScheduler", "KVLeaseConnector": "NixlConnector"}
+OURS = {
+    "KVLeaseScheduler": "NixlPullConnectorScheduler",
+    "KVLeaseConnector": "NixlConnector",
+    "KVLeaseWorker": "NixlPullConnectorWorker",
+}
+#: Private upstream methods an override replaces (checked like public ones).
+PRIVATE_OVERRIDES = {"KVLeaseWorker._read_blocks_for_req"}
 #: Names the connector binds to vLLM's ``Request`` objects.
 REQUEST_NAMES = {"request", "req"}
 #: Overrides of hooks that only newer vLLMs have (older ones never call them): hook -> first version.
@@ -132,8 +139,10 @@ def _reads(cls: ast.ClassDef, owner: set[str]) -> set[str]:
 
 @pytest.fixture(scope="module")
 def ours() -> dict[str, ast.ClassDef]:
-    tree = ast.parse(CONNECTOR.read_text(encoding="utf-8"))
-    found = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef) and n.name in OURS}
+    found = {}
+    for path in (CONNECTOR, WORKER):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        found.update({n.name: n for n in tree.body if isinstance(n, ast.ClassDef) and n.name in OURS})
     assert found.keys() == OURS.keys(), "connector classes renamed: update OURS"
     return found
 
@@ -156,7 +165,7 @@ def test_overrides_match_upstream_signatures(ours: dict[str, ast.ClassDef], upst
         chain = upstream.chain(OURS[name])
         assert chain, f"upstream class {OURS[name]} not found"
         for meth, fn in _methods(cls).items():
-            if meth.startswith("_") and meth != "__init__":
+            if meth.startswith("_") and meth != "__init__" and f"{name}.{meth}" not in PRIVATE_OVERRIDES:
                 continue
             base = next((_methods(c)[meth] for c in chain if meth in _methods(c)), None)
             if base is None:
@@ -166,15 +175,21 @@ def test_overrides_match_upstream_signatures(ours: dict[str, ast.ClassDef], upst
                 continue
             checked.append(f"{name}.{meth}")
             mine, theirs = _params(fn), _params(base)
-            if name == "KVLeaseScheduler" and meth == "__init__":
-                mine = mine[: len(theirs)]  # our scheduler's constructor adds the kvlease config
+            if name in ("KVLeaseScheduler", "KVLeaseWorker") and meth == "__init__":
+                mine = mine[: len(theirs)]  # our constructors add the kvlease config
             if mine != theirs:
                 mismatched.append((f"{name}.{meth}", mine, theirs))
     assert missing == [], "overrides of methods this vLLM does not have"
     assert mismatched == []
-    assert {"KVLeaseScheduler.get_num_new_matched_tokens", "KVLeaseScheduler.request_finished"} <= set(
-        checked
-    )
+    assert {
+        "KVLeaseScheduler.get_num_new_matched_tokens",
+        "KVLeaseScheduler.request_finished",
+        "KVLeaseWorker._read_blocks_for_req",
+        "KVLeaseWorker.get_transfer_results",
+        "KVLeaseWorker.register_kv_caches",
+        "KVLeaseWorker.start_load_kv",
+        "KVLeaseConnector.set_xfer_handshake_metadata_pp_aware",
+    } <= set(checked)
 
 
 def test_self_attributes_read_exist_upstream(ours: dict[str, ast.ClassDef], upstream: ClassIndex) -> None:
@@ -292,3 +307,66 @@ def test_kv_cache_blocks_method_the_pull_shape_reads(upstream: ClassIndex) -> No
     kv = _class_fields(root / "v1" / "kv_cache_interface.py", "KVCacheConfig")
     assert "kv_cache_groups" in kv
     assert "layer_names" in _class_fields(root / "v1" / "kv_cache_interface.py", "KVCacheGroupSpec")
+
+
+def _nixl(root: Path, name: str) -> Path:
+    return root / "distributed" / "kv_transfer" / "kv_connector" / "v1" / "nixl" / name
+
+
+def test_staging_worker_upstream_surface(upstream: ClassIndex) -> None:
+    """What ``KVLeaseWorker`` relies on beyond its overrides: the upstream helpers it calls (with
+    the parameters it passes), the fields it reads on upstream's records, the worker the pull
+    connector builds (kvlease builds its own in its place), and the handshake payload it annotates."""
+    root: Path = upstream.root  # type: ignore[attr-defined]
+    chain = upstream.chain("NixlPullConnectorWorker")
+    meths: dict[str, ast.FunctionDef] = {}
+    for cls in reversed(chain):
+        meths.update(_methods(cls))
+    names = lambda fn: [p for p, _ in _params(fn)]  # noqa: E731
+    assert names(meths["_apply_prefix_caching"]) == [
+        "self",
+        "decode_block_ids",
+        "prefill_block_ids",
+        "decode_physical_per_logical",
+        "prefill_physical_per_logical",
+    ]
+    assert names(meths["_handle_failed_transfer"])[:4] == ["self", "req_id", "handle", "failed_req_ids"]
+    assert names(meths["_try_release_xfer_handle"]) == ["self", "req_id", "handle"]
+    assert names(meths["_is_turn2_read_expired"]) == ["self", "meta"]
+    assert names(meths["get_transfer_results"]) == ["self"]
+    # the records it reads
+    meta = ClassIndex()
+    meta.add(_nixl(root, "metadata.py"))
+    assert {"local_block_ids", "local_physical_block_ids", "remote"} <= _defined(meta.chain("ReqMeta"))
+    assert {"engine_id", "request_id", "host", "block_ids"} <= _defined(meta.chain("RemoteMeta"))
+    payload = meta.resolve("NixlHandshakePayload")
+    assert payload is not None and any(
+        isinstance(d, ast.Name) and d.id == "dataclass" for d in payload.decorator_list
+    ), "take_ports copies the payload with dataclasses.replace"
+    tp = ClassIndex()
+    tp.add(_nixl(root, "tp_mapping.py"))
+    assert {"all_source_ranks", "local_consumers"} <= _defined(tp.chain("TPMapping"))
+    utils = ClassIndex()
+    utils.add(root / "distributed" / "kv_transfer" / "kv_connector" / "utils.py")
+    assert {
+        "remote_tp_size",
+        "remote_block_size",
+        "remote_physical_blocks_per_logical",
+        "remote_dcp_size",
+    } <= _defined(utils.chain("EngineTransferInfo"))
+    # upstream's READ completion notification, which the staged path sends itself
+    pull = _nixl(root, "pull_worker.py").read_text()
+    assert 'notif_id = f"{remote_request_id}:{expected_consumers}".encode()' in pull
+    # NixlPullConnector's worker branch builds exactly upstream's worker and no scheduler
+    conn = upstream.resolve("NixlPullConnector")
+    assert conn is not None
+    init = ast.unparse(_methods(conn)["__init__"])
+    assert (
+        "self.connector_worker = NixlPullConnectorWorker(vllm_config, self.engine_id, kv_cache_config)"
+        in init
+    )
+    assert (
+        init.count("self.connector_worker =") == 2
+        and "super().__init__(vllm_config, role, kv_cache_config)" in init
+    )
+    assert "VLLM_NIXL_SIDE_CHANNEL_HOST" in (root / "envs.py").read_text()
