@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -427,9 +427,12 @@ def render_markdown(
     titles: Mapping[str, str] | None = None,
     plots: Mapping[str, list[tuple[str, str]]] | None = None,
     real_stack: Collection[str] = ("ttft", "trace"),
+    notes: Sequence[str] = (),
 ) -> str:
     """RESULTS.md for ``results`` (the content of results.json): ``titles`` name -> section title,
-    ``plots`` name -> [(file, caption)], ``real_stack`` the names measured on the real vLLM stack."""
+    ``plots`` name -> [(file, caption)], ``real_stack`` the names measured on the real vLLM stack,
+    ``notes`` hand-written sections (``benchmarks/notes/*.md``: figures from runs outside
+    ``run.py``, each with its command) appended after the generated ones."""
     titles = {**(titles or {}), **{k: v for k, v in OTHER_TITLES.items() if k not in (titles or {})}}
     plots = plots or {}
     order = [n for n in titles if n in results] + [n for n in results if n not in titles]
@@ -482,6 +485,8 @@ def render_markdown(
         lines.append("")
         for file, caption in plots.get(name, []):
             lines += [f"![{caption}]({file})", ""]
+    for note in notes:
+        lines += [note.rstrip(), ""]
     lines += ["<details><summary>Raw results (also in results.json)</summary>", ""]
     for name in order:
         lines += [f"- `{name}`: `{json.dumps(results[name].get('result'), default=str)}`"]
@@ -508,8 +513,9 @@ def write_report(
             break
         except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
             print(f"no plot for {name}: {type(e).__name__}: {e}", file=sys.stderr)
+    notes = [f.read_text() for f in sorted((out / "notes").glob("*.md"))]
     path = out / "RESULTS.md"
-    path.write_text(render_markdown(results, titles, plots, real_stack))
+    path.write_text(render_markdown(results, titles, plots, real_stack, notes))
     return path
 
 
