@@ -25,7 +25,6 @@ from .test_connector_pd import (
     PD,
     USER_1,
     USER_2,
-    USER_3,
     Turn,
     chatml,
     earlier_message_edited,
@@ -33,6 +32,7 @@ from .test_connector_pd import (
     reused,
     salt,
     think_stripped,
+    three_turn_arms,
 )
 
 pytestmark = pytest.mark.integration
@@ -189,17 +189,8 @@ def test_edited_history_declines_and_matches_reference_in_every_conversation(pd:
 
 
 def test_three_turns_exact_match_reference(pd: PD) -> None:
-    first = _first(pd, USER_1)
-    tail2 = pd.tok(END + chatml("user", USER_2) + ASSISTANT)
-    tail3 = pd.tok(END + chatml("user", USER_3) + ASSISTANT)
-    outs = {}
-    for arm, use_handle in (("pull", True), ("ref", False)):
-        s = salt()
-        t1 = pd.turn(first, None, s)
-        t2 = pd.turn(first + t1.output + tail2, t1.handle if use_handle else None, s)
-        t3 = pd.turn(first + t1.output + tail2 + t2.output + tail3, t2.handle if use_handle else None, s)
-        outs[arm] = (t1.output, t2.output, t3.output)
-        if use_handle:
-            assert _status(t2) == "hit" and _status(t3) == "hit", (t2.p_params, t3.p_params)
-            assert reused(t3) > reused(t2) > 0
-    assert outs["pull"] == outs["ref"]
+    arms = three_turn_arms(pd, _first(pd, USER_1))
+    _, t2, t3 = arms["pull"]
+    assert _status(t2) == "hit" and _status(t3) == "hit", (t2.p_params, t3.p_params)
+    assert reused(t3) > reused(t2) > 0
+    assert [t.output for t in arms["pull"]] == [t.output for t in arms["ref"]]

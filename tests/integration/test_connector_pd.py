@@ -217,17 +217,8 @@ def test_two_turns_match_no_pull_reference(pd: PD, variant: str) -> None:
     first = pd.tok(chatml("user", USER_1) + ASSISTANT)
     pulls_before = pd.p_counter("pull")
 
-    a = salt()
-    t1 = pd.turn(first, None, a)
-    assert t1.handle is not None and KV.KVLEASE in t1.handle, "D returned no kvlease handle"
-    prompt2 = build(pd, t1.output)
-    t2 = pd.turn(prompt2, t1.handle, a)
-
-    b = salt()
-    r1 = pd.turn(first, None, b)
-    assert r1.output == t1.output
-    r2 = pd.turn(build(pd, r1.output), None, b)
-
+    t1, t2, r2 = pull_and_reference(pd, first, build)
+    prompt2 = t2.prompt
     assert t2.output == r2.output, f"{variant}: pulled turn 2 diverged from the no-pull reference"
     if must_pull:
         assert reused(t2) > 0, t2.p_params
@@ -241,20 +232,40 @@ def test_two_turns_match_no_pull_reference(pd: PD, variant: str) -> None:
         assert reused(t2) == t1.handle[KV.REMOTE_NUM_TOKENS] == len(first) + len(t1.output) - 1
 
 
-def test_three_turns_exact_match_reference(pd: PD) -> None:
-    first = pd.tok(chatml("user", USER_1) + ASSISTANT)
+def pull_and_reference(
+    pd: PD, first: list[int], build: Callable[[PD, list[int]], list[int]]
+) -> tuple[Turn, Turn, Turn]:
+    """(turn 1, turn 2 with D's handle, turn 2 of a no-pull reference arm), each arm with its own
+    ``cache_salt``; ``build`` maps turn 1's output to turn 2's prompt."""
+    a = salt()
+    t1 = pd.turn(first, None, a)
+    assert t1.handle is not None and KV.KVLEASE in t1.handle, "D returned no kvlease handle"
+    t2 = pd.turn(build(pd, t1.output), t1.handle, a)
+    b = salt()
+    r1 = pd.turn(first, None, b)
+    assert r1.output == t1.output
+    return t1, t2, pd.turn(build(pd, r1.output), None, b)
+
+
+def three_turn_arms(pd: PD, first: list[int]) -> dict[str, tuple[Turn, Turn, Turn]]:
+    """Three exact turns, ``pull`` (each with the previous turn's handle) and ``ref`` (none)."""
     tail2 = pd.tok(END + chatml("user", USER_2) + ASSISTANT)
     tail3 = pd.tok(END + chatml("user", USER_3) + ASSISTANT)
-    outs = {}
+    arms = {}
     for arm, use_handle in (("pull", True), ("ref", False)):
         s = salt()
         t1 = pd.turn(first, None, s)
         t2 = pd.turn(first + t1.output + tail2, t1.handle if use_handle else None, s)
         t3 = pd.turn(first + t1.output + tail2 + t2.output + tail3, t2.handle if use_handle else None, s)
-        outs[arm] = (t1.output, t2.output, t3.output)
-        if use_handle:
-            assert reused(t2) > 0 and reused(t3) >= reused(t2)
-    assert outs["pull"] == outs["ref"]
+        arms[arm] = (t1, t2, t3)
+    return arms
+
+
+def test_three_turns_exact_match_reference(pd: PD) -> None:
+    arms = three_turn_arms(pd, pd.tok(chatml("user", USER_1) + ASSISTANT))
+    _, t2, t3 = arms["pull"]
+    assert reused(t2) > 0 and reused(t3) >= reused(t2)
+    assert [t.output for t in arms["pull"]] == [t.output for t in arms["ref"]]
 
 
 def test_prefill_external_hits_in_vllm_metrics(pd: PD) -> None:

@@ -20,6 +20,7 @@ from kvlease.protocol import KV, LEASE_HANDLE_MAC, PREFILL_REUSE_STATUS, handle_
 from kvlease.protocol._handle import LEASE_HANDLE_STAGING
 from kvlease_stack import Stack, StackSpec
 
+from ._specs import ALWAYS_PULL
 from .test_connector_pd import (
     ASSISTANT,
     PD,
@@ -27,6 +28,7 @@ from .test_connector_pd import (
     USER_1,
     VARIANTS,
     chatml,
+    pull_and_reference,
     reused,
     salt,
 )
@@ -40,7 +42,7 @@ SPEC = StackSpec(
     recompute_threshold=32,
     prefix_caching=False,
     dtype="float32",
-    kvlease={"staging": "always", "staging_timeout_s": 10.0},
+    kvlease={**ALWAYS_PULL, "staging": "always", "staging_timeout_s": 10.0},
 )
 STAGED = "staged pull of"  # P's worker, once per staged pull (kvlease_vllm._worker)
 FELL_BACK = "staging fell back to the per-block READ"
@@ -68,16 +70,7 @@ def test_staged_two_turns_match_no_pull_reference(pd: PD, variant: str) -> None:
     first = pd.tok(chatml("user", USER_1) + ASSISTANT)
     staged_before, fallback_before = p_log_count(pd, STAGED), p_log_count(pd, FELL_BACK)
 
-    a = salt()
-    t1 = pd.turn(first, None, a)
-    assert t1.handle is not None and KV.KVLEASE in t1.handle
-    prompt2 = build(pd, t1.output)
-    t2 = pd.turn(prompt2, t1.handle, a)
-
-    b = salt()
-    r1 = pd.turn(first, None, b)
-    assert r1.output == t1.output
-    r2 = pd.turn(build(pd, r1.output), None, b)
+    _, t2, r2 = pull_and_reference(pd, first, build)
 
     assert t2.output == r2.output, f"{variant}: staged turn 2 diverged from the no-pull reference"
     if must_pull:
