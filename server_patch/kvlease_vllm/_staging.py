@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from kvlease.protocol import ProtocolError
-from kvlease.protocol._handle import (
+from kvlease.protocol._staging import (
     StagingRefusal,
     StagingReply,
     StagingRequest,

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvlease.protocol._handle import (
+from kvlease.protocol._staging import (
     STAGING_OP_RELEASE,
     STAGING_OP_STAGE,
     StagingRefusal,

@@ -16,12 +16,11 @@ import pytest
 
 from kvlease._errors import ConfigError
 from kvlease.protocol import KV, LEASE_HANDLE_MAC, ProtocolError, handle_mac
-from kvlease.protocol._handle import (
-    LEASE_HANDLE_STAGING,
+from kvlease.protocol._handle import LEASE_HANDLE_STAGING, LeaseHandleExt
+from kvlease.protocol._staging import (
     STAGING_MAX_FRAME,
     STAGING_OP_RELEASE,
     STAGING_OP_STAGE,
-    LeaseHandleExt,
     StagingRefusal,
     StagingReply,
     StagingRequest,
