@@ -31,9 +31,9 @@ from kvlease.protocol import (
     PrefillReport,
     ProtocolError,
     ReuseStatus,
+    TransferParams,
     pull_request_params,
 )
-from kvlease_router._handles import parse_handle
 from kvlease_router._store import ConversationRecord
 
 __all__ = ["Captured", "Offer", "capture_handle", "decide_offer", "judge_prefill", "strip_params"]
@@ -116,15 +116,14 @@ class Captured:
 def capture_handle(params: object, *, kvlease_mode: bool, node_control: str | None) -> Captured | None:
     """D's returned ``kv_transfer_params`` as a reusable handle, or ``None`` if it is not one.
 
-    Parsed once, here, by the connector's parser (:meth:`TransferParams.from_json`, through
-    :func:`~kvlease_router._handles.parse_handle`: the checks P applies to every field that is
-    present); the router needs blocks and an engine, and with the kvlease connector the
+    Parsed once, here, by the connector's parser (:meth:`TransferParams.from_json`: the checks P
+    applies to every field that is present); the router needs blocks and an engine, and with the kvlease connector the
     ``kvlease`` object (its hashes, lease id and control endpoint).
     """
     if not isinstance(params, dict):
         return None
     try:
-        handle = parse_handle(params)
+        handle = TransferParams.from_json(params)
     except ProtocolError:
         return None  # P would refuse it: not worth storing or offering
     if not handle.block_ids or handle.engine_id is None:

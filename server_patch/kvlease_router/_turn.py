@@ -15,7 +15,7 @@ import enum
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kvlease.protocol import KV, ProtocolError, ReuseStatus
+from kvlease.protocol import KV, ProtocolError, ReuseStatus, TransferParams
 from kvlease_router._continuity import (
     Continuity,
     chat_continuity,
@@ -23,7 +23,6 @@ from kvlease_router._continuity import (
     completion_continuity,
     completion_extends,
 )
-from kvlease_router._handles import parse_handle
 from kvlease_router._reuse import capture_handle, decide_offer
 from kvlease_router._settings import RouterSettings
 from kvlease_router._store import ConversationRecord
@@ -174,7 +173,7 @@ def upstream_params(params: object) -> dict[str, Any] | None:
     if KV.KVLEASE in params:  # P's report to the router (reused tokens), not part of D's pull
         params = {k: v for k, v in params.items() if k != KV.KVLEASE}
     try:
-        out: dict[str, Any] = parse_handle(params).to_json()
+        out: dict[str, Any] = TransferParams.from_json(params).to_json()
         return out
     except ProtocolError:
         return None

@@ -463,8 +463,37 @@ _ATTR: Final[dict[str, str]] = {
 }
 
 
+_INT: Final = frozenset((int,))
+
+
+def _ids_ok(ids: list[Any]) -> bool:
+    """Every id an exact ``int`` in range (``ids`` not empty, not over the bound), in C-level passes."""
+    return (
+        len(ids) <= LeaseHandleExt.MAX_BLOCKS
+        and set(map(type, ids)) == _INT
+        and min(ids) >= 0
+        and max(ids) < _MAX_BLOCK_ID
+    )
+
+
 def _block_ids(raw: object) -> tuple[tuple[tuple[int, ...], ...], bool]:
-    """(groups, grouped) of ``remote_block_ids``: a list of per-group lists, or one flat list."""
+    """(groups, grouped) of ``remote_block_ids``: a list of per-group lists, or one flat list.
+
+    Every handle passes here (the router parses each turn's twice, P once), with a few hundred ids
+    each: the common wire shapes (non-empty lists of exact ``int`` ids) are checked with ``map``,
+    ``min`` and ``max``; anything else goes to :func:`_block_ids_checked`, which decides what is
+    accepted and why not (the two give the same result wherever both apply: a property test)."""
+    if type(raw) is list and raw and len(raw) <= LeaseHandleExt.MAX_BLOCKS:
+        if type(raw[0]) is list:
+            if all(type(g) is list and g and _ids_ok(g) for g in raw):
+                return tuple(map(tuple, raw)), True
+        elif _ids_ok(raw):
+            return (tuple(raw),), False
+    return _block_ids_checked(raw)
+
+
+def _block_ids_checked(raw: object) -> tuple[tuple[tuple[int, ...], ...], bool]:
+    """:func:`_block_ids`, one id at a time, for every shape."""
     if not isinstance(raw, (list, tuple)) or len(raw) > LeaseHandleExt.MAX_BLOCKS:
         raise ProtocolError(f"{KV.REMOTE_BLOCK_IDS} must be a list of block lists")
     if raw and all(_is_int(b) for b in raw):
