@@ -50,6 +50,7 @@ from kvlease.protocol import (
 )
 from kvlease_stack import Metrics, Stack, StackSpec, parse_prometheus
 
+from ._faults import wait_until
 from .test_connector_pd import ASSISTANT, GEN, PD, USER_1, Turn, chatml, exact, renew, reused, salt
 
 pytestmark = pytest.mark.integration
@@ -135,15 +136,6 @@ def d_busy(pd: PD) -> float:
     return float(m.total("vllm:num_requests_running") + m.total("vllm:num_requests_waiting"))
 
 
-def wait_for(cond: Callable[[], bool], timeout: float, step: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(step)
-    return cond()
-
-
 @dataclass(frozen=True)
 class Reference:
     first: list[int]  # turn 1's prompt
@@ -199,7 +191,7 @@ def ticker(pd: PD) -> Iterator[None]:
 
     thread = threading.Thread(target=run, name="d-ticker", daemon=True)
     thread.start()
-    assert wait_for(lambda: d_busy(pd) > 0 or not thread.is_alive(), DRAIN_TIMEOUT_S), "ticker idle"
+    assert wait_until(lambda: d_busy(pd) > 0 or not thread.is_alive(), DRAIN_TIMEOUT_S, 0.05), "ticker idle"
     try:
         yield
     finally:
@@ -207,7 +199,7 @@ def ticker(pd: PD) -> Iterator[None]:
         thread.join(DRAIN_TIMEOUT_S)
         assert not thread.is_alive(), "the ticker did not stop"
         assert not errors, f"ticker failed: {errors[0]!r}"
-        assert wait_for(lambda: d_busy(pd) == 0, DRAIN_TIMEOUT_S), "D still runs requests"
+        assert wait_until(lambda: d_busy(pd) == 0, DRAIN_TIMEOUT_S, 0.05), "D still runs requests"
 
 
 def concurrent_turns(
@@ -305,7 +297,7 @@ def release_round(pd: PD, ref: Reference) -> tuple[str, int]:
     try:
         with ThreadPoolExecutor(1, thread_name_prefix="prefill") as pool:
             fut = pool.submit(prefill, own, ref.prompt2, t1.handle, s)
-            assert wait_for(lambda: claims_granted(pd) > granted or fut.done(), PHASE_TIMEOUT_S, 0.002)
+            assert wait_until(lambda: claims_granted(pd) > granted or fut.done(), PHASE_TIMEOUT_S, 0.002)
             claimed = claims_granted(pd) > granted
             # D is idle, so it has not yet seen P's read end: the claimed lease is pinned now
             released = release(pd, lid)
