@@ -15,9 +15,11 @@ Workloads (what is sent is measured and reported with the result):
 - ``agent`` (non-streaming): the same loop where each user turn also carries a 2 KB tool result (a
   file, a page, a command's output), so turn 8 resends ~19 KB of history, as a coding agent's does.
 
-Method: one round runs ``conversations`` raw and as many wrapped conversations, interleaved pair by
-pair (the order alternates), so drift on a shared machine hits both alike; warm-up conversations
-come first. Per round: wall-clock and client CPU time (``time.process_time``: this process, the
+Method: one round runs ``conversations`` conversations on each of three clients, interleaved
+(each client takes each place in the order in turn), so drift on a shared machine hits them alike:
+the raw client, the wrapped client, and a second raw client, identical to the first (the A/A arm:
+how far two identical clients differ is the noise floor of the figure, printed with it); warm-up
+conversations come first. Per round: wall-clock and client CPU time (``time.process_time``: this process, the
 keeper thread included) per call for each client, and their ratio. The overhead is the median over
 rounds of ``wrapped / raw - 1`` (paired), with the 25th-75th percentile of those ratios as its
 spread; CPU time is the steadier figure of what the SDK adds. The machine's load average is
@@ -96,11 +98,15 @@ def _sizes(question: Callable[[int], str]) -> dict[str, Any]:
 
 
 def _one(
-    kind: str, raw: OpenAI, kc: kvlease.KVLeaseClient, question: Callable[[int], str], stream: bool
+    kind: str,
+    raws: dict[str, OpenAI],
+    kc: kvlease.KVLeaseClient,
+    question: Callable[[int], str],
+    stream: bool,
 ) -> tuple[float, float]:
     """Wall-clock and client-CPU seconds of one conversation (opening and closing it excluded)."""
     conv = kc.conversation() if kind == "wrapped" else None
-    client: Any = raw if conv is None else conv
+    client: Any = raws[kind] if conv is None else conv
     t0, c0 = time.perf_counter(), time.process_time()
     _conversation(client, question, stream)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -113,8 +119,20 @@ def _q(xs: list[float], p: float) -> float:
     return statistics.quantiles(xs, n=100, method="inclusive")[round(p * 100) - 1] if len(xs) > 1 else xs[0]
 
 
+#: The clients of one round: the raw openai client, a second raw client (the A/A arm: what two
+#: identical clients differ by here is the noise floor of the figure), and the wrapped client.
+KINDS = ("raw", "raw_b", "wrapped")
+
+
+def _orders(i: int) -> tuple[str, ...]:
+    """The order of the clients in slot ``i`` of a round: each client takes each place in turn."""
+    k = i % len(KINDS)
+    order = KINDS[k:] + KINDS[:k]
+    return order if (i // len(KINDS)) % 2 == 0 else order[::-1]
+
+
 def _measure(
-    raw: OpenAI,
+    raws: dict[str, OpenAI],
     kc: kvlease.KVLeaseClient,
     question: Callable[[int], str],
     rounds: int,
@@ -122,18 +140,19 @@ def _measure(
     stream: bool,
 ) -> dict[str, Any]:
     for i in range(3):  # warm-up: connections, imports, pydantic caches
-        for kind in ("raw", "wrapped") if i % 2 == 0 else ("wrapped", "raw"):
-            _one(kind, raw, kc, question, stream)
-    wall: dict[str, list[float]] = {"raw": [], "wrapped": []}
-    cpu: dict[str, list[float]] = {"raw": [], "wrapped": []}
+        for kind in _orders(i):
+            _one(kind, raws, kc, question, stream)
+    wall: dict[str, list[float]] = {k: [] for k in KINDS}
+    cpu: dict[str, list[float]] = {k: [] for k in KINDS}
     ratio_wall: list[float] = []
     ratio_cpu: list[float] = []
+    ratio_aa: list[float] = []
     n = conversations * TURNS
     for r in range(rounds):
-        tot = {"raw": [0.0, 0.0], "wrapped": [0.0, 0.0]}
+        tot = {k: [0.0, 0.0] for k in KINDS}
         for j in range(conversations):
-            for kind in ("raw", "wrapped") if (r + j) % 2 == 0 else ("wrapped", "raw"):
-                w, c = _one(kind, raw, kc, question, stream)
+            for kind in _orders(r * conversations + j):
+                w, c = _one(kind, raws, kc, question, stream)
                 tot[kind][0] += w
                 tot[kind][1] += c
         for kind, (w, c) in tot.items():
@@ -141,6 +160,7 @@ def _measure(
             cpu[kind].append(c / n)
         ratio_wall.append(tot["wrapped"][0] / tot["raw"][0])
         ratio_cpu.append(tot["wrapped"][1] / tot["raw"][1])
+        ratio_aa.append(tot["raw_b"][0] / tot["raw"][0])
     raw_s, wrapped_s = statistics.median(wall["raw"]), statistics.median(wall["wrapped"])
     raw_cpu, wrapped_cpu = statistics.median(cpu["raw"]), statistics.median(cpu["wrapped"])
 
@@ -163,6 +183,8 @@ def _measure(
         "added_client_cpu_us_per_call": round((wrapped_cpu - raw_cpu) * 1e6, 1),
         "client_cpu_overhead_pct": pct(statistics.median(ratio_cpu)),
         "client_cpu_overhead_pct_p25_p75": [pct(_q(ratio_cpu, 0.25)), pct(_q(ratio_cpu, 0.75))],
+        "aa_pct": pct(statistics.median(ratio_aa)),
+        "aa_pct_p25_p75": [pct(_q(ratio_aa, 0.25)), pct(_q(ratio_aa, 0.75))],
     }
 
 
@@ -180,20 +202,21 @@ def run(quick: bool = False) -> dict[str, Any]:
         "workloads": {name: _sizes(q) for name, q in WORKLOADS.items()},
     }
     with fake_server_process("--content", CONTENT) as base_url:
-        raw = OpenAI(base_url=base_url, api_key="k", max_retries=0)
+        raws = {k: OpenAI(base_url=base_url, api_key="k", max_retries=0) for k in KINDS if k != "wrapped"}
         kc = kvlease.wrap(OpenAI(base_url=base_url, api_key="k", max_retries=0))
         with warnings.catch_warnings():
             warnings.simplefilter("error", kvlease.ReuseOffWarning)  # every turn must be exact
-            out["non_streaming"] = _measure(raw, kc, _question, rounds, conversations, stream=False)
+            out["non_streaming"] = _measure(raws, kc, _question, rounds, conversations, stream=False)
             out["load_average_after_non_streaming"] = _load()
-            out["streaming"] = _measure(raw, kc, _question, rounds, conversations, stream=True)
+            out["streaming"] = _measure(raws, kc, _question, rounds, conversations, stream=True)
             out["load_average_after_streaming"] = _load()
             out["agent_non_streaming"] = _measure(
-                raw, kc, _agent_question, rounds, conversations, stream=False
+                raws, kc, _agent_question, rounds, conversations, stream=False
             )
         out["sse_chunks_per_reply"] = len(CONTENT.split()) + 2
         kc.close()
-        raw.close()
+        for raw in raws.values():
+            raw.close()
     out["load_average_at_end"] = _load()
     return out
 
@@ -251,6 +274,11 @@ def print_table(res: dict[str, Any]) -> None:
             f"wrapped {r['wrapped_client_cpu_ms_per_call']:.3f} ms/call  "
             f"overhead {r['client_cpu_overhead_pct']:+.2f} % (p25-p75 {clo:+.2f} .. {chi:+.2f} %; "
             f"{r['added_client_cpu_us_per_call']:+.1f} us)"
+        )
+        alo, ahi = r["aa_pct_p25_p75"]
+        print(
+            f"  {'':20s} A/A (a second raw client against the first): {r['aa_pct']:+.2f} % "
+            f"(p25-p75 {alo:+.2f} .. {ahi:+.2f} %): the noise floor of the figures above"
         )
     for name, w in res["workloads"].items():
         print(f"  workload {name}: {w}")

@@ -46,25 +46,36 @@ class _Bound:
     ``X-Conversation-Id``: the real openai methods, without an openai client copy per conversation
     (a few hundred bytes instead of a few kilobytes, for agents with thousands of conversations)."""
 
-    __slots__ = ("_cid", "_target")
+    __slots__ = ("_children", "_cid", "_target")
 
     def __init__(self, target: Any, conversation_id: str) -> None:
         self._target = target
         self._cid = conversation_id
+        #: the bound resources and methods handed out, by name: an agent looks up
+        #: ``conv.chat.completions.create`` on every turn, and openai's resources and their methods
+        #: do not change, so each is wrapped once per conversation
+        self._children: dict[str, _Bound | _Call] = {}
 
     def __getattr__(self, name: str) -> Any:
+        child = self._children.get(name)
+        if child is not None:
+            return child
         value = getattr(self._target, name)
         if name.startswith("_") or isinstance(value, _PLAIN):
             return value
-        if isinstance(value, _METHODS):
-            return _Call(value, self._cid)
-        return _Bound(value, self._cid)
+        child = _Call(value, self._cid) if isinstance(value, _METHODS) else _Bound(value, self._cid)
+        if len(self._children) < _MAX_CHILDREN:
+            self._children[name] = child
+        return child
 
     def __repr__(self) -> str:
         return f"<conversation {self._cid!r} {self._target!r}>"
 
 
 _PLAIN: Final = (str, bytes, int, float, bool, type(None), type)
+#: Bound names one resource remembers (openai's have a handful; ``getattr`` of arbitrary names is
+#: not a way to grow a conversation without bound).
+_MAX_CHILDREN: Final = 32
 _METHODS: Final = (types.MethodType, types.FunctionType)
 
 
@@ -104,6 +115,8 @@ class BaseConversation(Generic[C]):
         self._base: C = base
         self._state = state
         self._client: C | None = None
+        self._chat: _Bound | None = None
+        self._completions: _Bound | None = None
 
     @property
     def id(self) -> str:
@@ -120,12 +133,16 @@ class BaseConversation(Generic[C]):
     @property
     def chat(self) -> Any:
         """``conv.chat.completions.create(...)``: the openai method, in this conversation."""
-        return _Bound(self._base.chat, self._state.id)
+        if self._chat is None:
+            self._chat = _Bound(self._base.chat, self._state.id)
+        return self._chat
 
     @property
     def completions(self) -> Any:
         """``conv.completions.create(...)``: legacy completions, in this conversation."""
-        return _Bound(self._base.completions, self._state.id)
+        if self._completions is None:
+            self._completions = _Bound(self._base.completions, self._state.id)
+        return self._completions
 
     @property
     def turns(self) -> list[Turn]:
