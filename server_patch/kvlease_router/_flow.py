@@ -49,6 +49,7 @@ from kvlease_router._turn import (
     record,
     releases_unused,
     upstream_params,
+    with_tenant,
 )
 from kvlease_router._upstreams import Node
 
@@ -208,9 +209,10 @@ async def handle_turn(request: web.Request, router: RouterRuntime, chat: bool) -
         xargs.pop(KV_TRANSFER_PARAMS, None)
 
     s = router.settings
-    # the tenant (a hash of the bearer token) only when something needs it
-    salted = s.tenant_cache_salt
-    tenant = tenant_from(request.headers, s.tenant_header) if salted or ident is not None else ""
+    # the tenant (a hash of the bearer token) only when something needs it: the cache salt, the
+    # state key, or (kvlease mode) the tag D's lease and P's claim are counted under
+    salted, kvlease = s.tenant_cache_salt, s.kvlease_mode
+    tenant = tenant_from(request.headers, s.tenant_header) if salted or kvlease or ident is not None else ""
     if salted:
         client_salt = body.get(CACHE_SALT)
         if client_salt is not None and not isinstance(client_salt, str):
@@ -232,6 +234,7 @@ async def handle_turn(request: web.Request, router: RouterRuntime, chat: bool) -
         reuse_enabled=router.reuse_enabled,
         decode_healthy=healthy,
         ttl=router.ttl if key else 0.0,
+        tenant_tag=router.keyer.tenant_tag(tenant) if kvlease else None,
     )
     turn = _Turn(router, plan(facts, state, time.time(), s), body)
     router.metrics.in_flight.inc()
@@ -250,7 +253,7 @@ def _headers(router: RouterRuntime, request: web.Request) -> dict[str, str]:
     return out
 
 
-def _prefill_body(body: dict[str, Any], handle: dict[str, Any] | None) -> bytes:
+def _prefill_body(body: dict[str, Any], handle: dict[str, Any] | None, tenant_tag: str | None) -> bytes:
     p = dict(body)
     p["max_tokens"] = 1
     if "max_completion_tokens" in p:
@@ -258,7 +261,9 @@ def _prefill_body(body: dict[str, Any], handle: dict[str, Any] | None) -> bytes:
     p["stream"] = False
     for k in ("stream_options", "min_tokens"):
         p.pop(k, None)
-    p[KV_TRANSFER_PARAMS] = handle if handle is not None else prefill_request_params()
+    p[KV_TRANSFER_PARAMS] = with_tenant(
+        handle if handle is not None else prefill_request_params(), tenant_tag
+    )
     return orjson.dumps(p)
 
 
@@ -297,7 +302,7 @@ async def _prefill(router: RouterRuntime, request: web.Request, turn: _Turn) -> 
         node = (pool.by_url(a.node) if a.step is Step.RESEND else None) or pool.pick(
             now, exclude=_exclude(pool.nodes, a.tried)
         )
-        data = _prefill_body(turn.body, handle if a.handle else None)
+        data = _prefill_body(turn.body, handle if a.handle else None, turn.plan.tenant_tag)
         t0 = time.perf_counter()
         try:
             with pool.using(node):
@@ -370,7 +375,7 @@ async def _run(request: web.Request, router: RouterRuntime, turn: _Turn, stream:
         assert p.state is not None and p.state.control and p.state.lease_id
         router.spawn(router.release_on_decode(p.state.control, [p.state.lease_id], decode=p.state.decode))
     d_body = dict(turn.body)
-    d_body[KV_TRANSFER_PARAMS] = upstream_params(p_out.get(KV_TRANSFER_PARAMS))
+    d_body[KV_TRANSFER_PARAMS] = upstream_params(p_out.get(KV_TRANSFER_PARAMS), p.tenant_tag)
     return await _decode(request, router, turn, orjson.dumps(d_body), stream)
 
 

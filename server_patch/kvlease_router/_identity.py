@@ -148,7 +148,8 @@ class Keyer:
         return list(map(one, conversation_ids))
 
     def tenant_tag(self, tenant: str) -> str:
-        """An opaque tag of a tenant for the decode nodes' retention quota (reveals nothing)."""
+        """An opaque tag of a tenant for the decode nodes' retention quota (reveals nothing): sent
+        with P's and D's requests in kvlease mode (D tags each lease at creation) and with renews."""
         msg = b"tenant_tag\x00" + tenant.encode("utf-8", "surrogatepass")
         return hmac.digest(self._secret, msg, "sha256").hex()[:24]
 

@@ -38,6 +38,7 @@ __all__ = [
     "record",
     "releases_unused",
     "upstream_params",
+    "with_tenant",
 ]
 
 
@@ -58,6 +59,8 @@ class TurnFacts:
     decode_healthy: bool = False
     #: The router's lease TTL (the cluster plan's), for the record this turn leaves.
     ttl: float = 0.0
+    #: The tenant's opaque tag (``Keyer.tenant_tag``), for P's and D's requests in kvlease mode.
+    tenant_tag: str | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,10 @@ class TurnPlan:
     kvlease_mode: bool
     ttl: float
     prompt: object = None
+    #: The tenant tag P's and D's ``kv_transfer_params`` carry (:attr:`KV.TENANT`): D tags the lease
+    #: it creates, P its claim (D's per-tenant retention quota). Only with the kvlease connector:
+    #: stock vLLM gets exactly what it got before.
+    tenant_tag: str | None = None
 
     @property
     def prefer_decode(self) -> str | None:
@@ -98,8 +105,9 @@ def plan(
     """The turn's offer and status. With the kvlease connector P verifies tokens itself; with stock
     vLLM the new messages must extend the stored ones plus the returned answer exactly."""
     kvlease, ttl = settings.kvlease_mode, facts.ttl
+    tag = facts.tenant_tag if kvlease else None
     if facts.key is None:
-        return TurnPlan(facts.chat, None, None, ReuseStatus.NO_ID, None, kvlease, ttl, facts.prompt)
+        return TurnPlan(facts.chat, None, None, ReuseStatus.NO_ID, None, kvlease, ttl, facts.prompt, tag)
     continuity_ok: bool | None = None
     if not kvlease:
         continuity_ok = False
@@ -119,7 +127,7 @@ def plan(
     status, handle = offer.status, offer.handle
     if not facts.store_ok and not facts.opted_out:
         status, handle = ReuseStatus.ERROR, None
-    return TurnPlan(facts.chat, facts.key, state, status, handle, kvlease, ttl, facts.prompt)
+    return TurnPlan(facts.chat, facts.key, state, status, handle, kvlease, ttl, facts.prompt, tag)
 
 
 def releases_unused(p: TurnPlan, status: ReuseStatus) -> bool:
@@ -164,19 +172,25 @@ def record(p: TurnPlan, outcome: TurnOutcome) -> ConversationRecord | None:
     )
 
 
-def upstream_params(params: object) -> dict[str, Any] | None:
+def upstream_params(params: object, tenant_tag: str | None = None) -> dict[str, Any] | None:
     """P's ``kv_transfer_params`` as D gets them: parsed by the connector's handle parser and
-    re-serialized (less P's ``kvlease`` report, which is the router's), or ``None`` (D then
-    prefills itself) when they are not a valid handle."""
+    re-serialized (less P's ``kvlease`` report, which is the router's, and any tenant tag P
+    echoed), with the router's ``tenant_tag`` (:attr:`KV.TENANT`, for the lease D creates) when
+    given; or ``None`` (D then prefills itself, and leases nothing) when they are not a valid handle."""
     if not isinstance(params, dict):
         return None
-    if KV.KVLEASE in params:  # P's report to the router (reused tokens), not part of D's pull
-        params = {k: v for k, v in params.items() if k != KV.KVLEASE}
+    if KV.KVLEASE in params or KV.TENANT in params:  # P's report to the router, not D's pull
+        params = {k: v for k, v in params.items() if k not in (KV.KVLEASE, KV.TENANT)}
     try:
         out: dict[str, Any] = TransferParams.from_json(params).to_json()
-        return out
     except ProtocolError:
         return None
+    return with_tenant(out, tenant_tag)
+
+
+def with_tenant(params: dict[str, Any], tenant_tag: str | None) -> dict[str, Any]:
+    """``params`` (a fresh dict) with the router's tenant tag, when there is one."""
+    return params if tenant_tag is None else {**params, KV.TENANT: tenant_tag}
 
 
 # ---- the retry rule of upstream calls -------------------------------------------------------------

@@ -1,5 +1,8 @@
 """The connector's control endpoint: ``GET /info``, ``POST /renew``, ``POST /release``, ``GET /metrics``.
 
+``/info`` is the node's facts plus its lease table now (:class:`~kvlease.protocol.LeaseStatus`:
+leases and blocks per tenant tag, the top few; leases are tagged when D creates them).
+
 Opened by the scheduler-side connector (like NIXL's side channel) in a daemon thread of vLLM's
 engine-core process. Request threads never touch scheduler state directly: they update the lease
 table under a short lock (:class:`LeaseDesk`) and the scheduler thread takes the resulting deadline
@@ -18,13 +21,14 @@ bound new work is refused by closing the connection. A body the endpoint does no
 
 from __future__ import annotations
 
+import heapq
 import hmac
 import json
 import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
 from typing import Any, Final
@@ -35,6 +39,7 @@ from kvlease.protocol import (
     CONTROL_METRICS_PATH,
     CONTROL_RELEASE_PATH,
     CONTROL_RENEW_PATH,
+    LEASE_STATUS_MAX_TENANTS,
     ControlClient,
     ControlInfo,
     ControlReleaseRequest,
@@ -42,7 +47,9 @@ from kvlease.protocol import (
     ControlRenewRequest,
     ControlRenewResponse,
     ErrorBody,
+    LeaseStatus,
     ProtocolError,
+    TenantLeases,
 )
 from kvlease_vllm._control_http import Conn, PooledHTTPServer, Writer
 from kvlease_vllm._metrics import CONTENT_TYPE_LATEST, ConnectorMetrics
@@ -85,7 +92,8 @@ class LeaseDesk:
     ) -> dict[str, float | None]:
         """Seconds left per id (None: unknown, or claimed by another reader); ``deadlines``, when
         given, receives the absolute deadlines (this clock) of the leases renewed. ``tenant``: the
-        opaque tenant tag the leases are counted under (the per-tenant retention quota).
+        opaque tenant tag the leases are counted under (the per-tenant retention quota; a lease is
+        tagged at creation already, :meth:`add`).
 
         The scheduler shares the lock, so it is taken per :data:`RENEW_CHUNK` ids and holds only the
         table updates; the answer is built outside it (a 10,000-id renew never holds the scheduler
@@ -115,9 +123,11 @@ class LeaseDesk:
         return n
 
     # scheduler side
-    def add(self, lease_id: str, blocks: int, deadline: float) -> AddResult:
+    def add(self, lease_id: str, blocks: int, deadline: float, tenant: str | None = None) -> AddResult:
+        """A finished request's lease, tagged at creation with ``tenant`` (the router's opaque tag
+        from D's request, :func:`kvlease.protocol.tenant_tag_of`; None: untagged)."""
         with self._lock:
-            result = self._table.add(lease_id, blocks, deadline, self.clock())
+            result = self._table.add(lease_id, blocks, deadline, self.clock(), tenant=tenant)
             self._gauges()
         if result.released:
             self.metrics.releases.labels("cap").inc(len(result.released))
@@ -156,6 +166,25 @@ class LeaseDesk:
         """(leases, retained blocks)."""
         with self._lock:
             return len(self._table), self._table.retained_blocks
+
+    def status(self) -> LeaseStatus:
+        """The table per tenant tag, for ``GET /info`` (bounded: the top
+        :data:`~kvlease.protocol.LEASE_STATUS_MAX_TENANTS` tags by blocks)."""
+        table = self._table
+        with self._lock:
+            counts = table.by_tenant()
+            leases, retained = len(table), table.retained_blocks
+        n, b = counts.pop(None, (0, 0))
+        top = heapq.nsmallest(LEASE_STATUS_MAX_TENANTS, counts.items(), key=lambda kv: (-kv[1][1], kv[0]))
+        return LeaseStatus(
+            leases=leases,
+            retained_blocks=retained,
+            capacity_blocks=table.capacity_blocks,
+            tenant_quota_blocks=int(table.tenant_quota_fraction * table.capacity_blocks),
+            tenant_count=len(counts),
+            untagged=TenantLeases(None, n, b),
+            tenants=tuple(TenantLeases(tag, tn, tb) for tag, (tn, tb) in top),
+        )
 
     def _gauges(self) -> None:
         self.metrics.leases.set(len(self._table))
@@ -263,7 +292,8 @@ class _Handler(BaseHTTPRequestHandler):
             raise ProtocolError("body is not valid JSON") from None
 
     def _info(self, _body: object) -> None:
-        self._json(HTTPStatus.OK, self.server.info().to_json())
+        info = replace(self.server.info(), leases=self.server.desk.status())  # the table now, per tenant
+        self._json(HTTPStatus.OK, info.to_json())
 
     def _metrics(self, _body: object) -> None:
         self._send(HTTPStatus.OK, self.server.desk.metrics.render(), CONTENT_TYPE_LATEST)
@@ -418,7 +448,8 @@ def claim(
     the claim) and D's absolute deadline when D reports it. Raises ``OSError`` / ``ValueError``
     when D does not answer properly (the caller recomputes). Uses the control API's one request
     client (:class:`kvlease.protocol.ControlClient`, standard library only), sync: it runs in a thread of vLLM's engine process.
-    ``tenant``: the opaque tenant tag of the lease (D's per-tenant retention quota), when P has one.
+    ``tenant``: the opaque tenant tag of the lease (D's per-tenant retention quota): the router's tag
+    in P's request (D tagged the lease with the same one when it created it), or None.
     """
     client = ControlClient(url, secret=secret, timeout=timeout)
     answer = client.renew([lease_id], hold_s, claim=True, claimant=claimant, tenant=tenant)

@@ -1,15 +1,18 @@
-"""P side: one request's pull, from the decision to the completed read (the connector's record)."""
+"""P side: one request's pull, from the decision to the completed read (the connector's record),
+and its claims on D (the first before the read, the re-claims while the read waits)."""
 
 from __future__ import annotations
 
-from concurrent.futures import Future
+from collections.abc import Callable, Mapping
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 
 from kvlease.protocol import PrefillReport
+from kvlease_vllm import _control
 from kvlease_vllm._control import ClaimResult
 from kvlease_vllm._verify import Reason, RemoteHandle, reuse_status
 
-__all__ = ["Pull", "claim_outcome"]
+__all__ = ["Pull", "claim_outcome", "reclaim_waiting", "submit_claim"]
 
 
 @dataclass
@@ -28,6 +31,9 @@ class Pull:
     reclaim: Future[ClaimResult] | None = None
     trimmed: bool = False  # the handle was cut to the scheduler's final count
     staged: bool = False  # planned as a staged pull (kvlease_vllm._worker)
+    #: The router's tenant tag of P's request (``kvlease.protocol.tenant_tag_of``), sent with every
+    #: claim so D counts the lease under it; None: untagged.
+    tenant: str | None = None
 
     def report(self) -> PrefillReport:
         """P's reuse report for the router (``kvlease`` object of P's response params)."""
@@ -42,3 +48,53 @@ def claim_outcome(fut: Future[ClaimResult]) -> tuple[ClaimResult | None, str]:
         return fut.result(), ""
     except Exception as e:
         return None, f"D's control endpoint did not answer the claim ({type(e).__name__}: {e})"
+
+
+def submit_claim(
+    claims: Executor,
+    pull: Pull,
+    claimant: str,
+    *,
+    hold_s: float,
+    secret: str | None,
+    timeout_s: float,
+) -> Future[ClaimResult]:
+    """Claim ``pull``'s lease on D (:func:`kvlease_vllm._control.claim`) in the ``claims`` pool,
+    for ``claimant`` (P's request id) and under the pull's tenant tag."""
+    handle = pull.handle
+    assert handle is not None and handle.ext.control is not None
+    return claims.submit(
+        _control.claim,
+        handle.ext.control,
+        handle.request_id,
+        hold_s,
+        secret,
+        timeout_s,
+        claimant,
+        tenant=pull.tenant,
+    )
+
+
+def reclaim_waiting(
+    pulls: Mapping[str, Pull], now: float, hold_s: float, submit: Callable[[Pull, str], Future[ClaimResult]]
+) -> list[tuple[str, str]]:
+    """Renew the claim of every read still waiting past half the claim hold (``submit(pull,
+    request id)``); returns (request id, why) of each finished re-claim D refused, for the log."""
+    refused: list[tuple[str, str]] = []
+    for rid, pull in pulls.items():
+        if pull.reclaim is not None and pull.reclaim.done():
+            result, error = claim_outcome(pull.reclaim)
+            pull.reclaim = None
+            if result is None or result.left is None:
+                refused.append((rid, error or "lease gone"))
+            else:
+                pull.claimed_at = now
+        waiting = pull.started is not None and pull.started >= 0 and pull.claimed_at is not None
+        if (
+            waiting
+            and pull.reclaim is None
+            and pull.handle is not None
+            and now - pull.claimed_at >= hold_s / 2  # type: ignore[operator]
+        ):
+            pull.reclaim = submit(pull, rid)
+    return refused

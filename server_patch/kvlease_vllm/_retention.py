@@ -12,9 +12,11 @@ Rules:
 - Retained blocks are capped: adding past the cap releases the oldest-deadline leases first
   (pinned leases, claimed by a prefill node that is about to read them, are never released early);
   if that is not enough the new lease is not retained.
-- Per-tenant quota: a lease carries the opaque tenant tag its renewals/claims name; past
-  ``tenant_quota_fraction`` of the cap, a tenant's oldest leases (down to the quota) are released
-  early before anyone else's, so one tenant filling the cap pushes out its own leases, not others'.
+- Per-tenant quota: a lease carries an opaque tenant tag from its creation (the router's tag on D's
+  request; a renewal or claim that names a tag sets it too). Past ``tenant_quota_fraction`` of the
+  cap, counting the lease being added, a tenant's oldest leases (down to the quota) are released
+  early before anyone else's, so one tenant filling the cap pushes out its own leases, not others',
+  whether or not it ever renews. Untagged leases (stock requests, an older router) count for no one.
 - Every deadline change is queued for the workers (:meth:`take_updates`), which run the expiry
   sweep; a release is a deadline of "now".
 - Claims are exclusive: while one claimant's pin holds, another claim is refused (the same
@@ -41,7 +43,7 @@ class Lease:
     pinned_until: float = -math.inf
     claimant: str | None = None
     release_pending: bool = False  # released while pinned: freed when the pin ends
-    #: Opaque tag of the tenant (sent by the router with renewals and by P with claims), if known.
+    #: Opaque tag of the tenant (the router's, on D's request; renewals and claims name it too).
     tenant: str | None = None
 
     def pinned(self, now: float) -> bool:
@@ -94,6 +96,14 @@ class RetentionTable:
     def get(self, lease_id: str) -> Lease | None:
         return self._leases.get(lease_id)
 
+    def by_tenant(self) -> dict[str | None, tuple[int, int]]:
+        """(leases, blocks) per tenant tag (None: the untagged leases)."""
+        out: dict[str | None, tuple[int, int]] = {}
+        for lease in self._leases.values():
+            n, b = out.get(lease.tenant, (0, 0))
+            out[lease.tenant] = (n + 1, b + lease.blocks)
+        return out
+
     def expires_in(self, lease_id: str, now: float) -> float | None:
         lease = self._leases.get(lease_id)
         if lease is None or lease.deadline <= now:
@@ -101,8 +111,11 @@ class RetentionTable:
         return lease.deadline - now
 
     # -------------------------------------------------------------- mutations
-    def add(self, lease_id: str, blocks: int, deadline: float, now: float) -> AddResult:
-        """Retain ``blocks`` for ``lease_id`` until ``deadline`` (a request finished on D)."""
+    def add(
+        self, lease_id: str, blocks: int, deadline: float, now: float, *, tenant: str | None = None
+    ) -> AddResult:
+        """Retain ``blocks`` for ``lease_id`` until ``deadline`` (a request finished on D), counted
+        under ``tenant`` (the opaque tag of D's request, None: untagged)."""
         if blocks < 0:
             raise ValueError("blocks must be >= 0")
         if lease_id in self._leases or lease_id in self._releasing:
@@ -112,8 +125,8 @@ class RetentionTable:
         if need > 0:
             if blocks > self.capacity_blocks or self._releasable_blocks(now) < need:
                 return AddResult(False)
-            released = self._release_oldest(need, now)
-        self._leases[lease_id] = Lease(lease_id, blocks, deadline)
+            released = self._release_oldest(need, now, adding=(tenant, blocks))
+        self._leases[lease_id] = Lease(lease_id, blocks, deadline, tenant=tenant)
         self._retained += blocks
         return AddResult(True, tuple(released))
 
@@ -210,17 +223,19 @@ class RetentionTable:
     def _releasable_blocks(self, now: float) -> int:
         return sum(lease.blocks for lease in self._leases.values() if not lease.pinned(now))
 
-    def _over_quota(self) -> set[str]:
+    def _over_quota(self, adding: tuple[str | None, int] = (None, 0)) -> set[str]:
         """Ids of the leases that put their tenant over its quota: per tenant tag past
-        ``tenant_quota_fraction`` of the capacity, its oldest leases down to the quota."""
+        ``tenant_quota_fraction`` of the capacity, its oldest leases down to the quota.
+        ``adding``: the (tag, blocks) of the lease being added, which counts towards its tenant's
+        share (it is the newest, so its tenant's older leases are the ones that go)."""
         quota = self.tenant_quota_fraction * self.capacity_blocks
         by_tenant: dict[str, list[Lease]] = {}
         for lease in self._leases.values():
             if lease.tenant is not None:
                 by_tenant.setdefault(lease.tenant, []).append(lease)
         over: set[str] = set()
-        for leases in by_tenant.values():
-            excess = sum(lease.blocks for lease in leases) - quota
+        for tag, leases in by_tenant.items():
+            excess = sum(lease.blocks for lease in leases) - quota + (adding[1] if tag == adding[0] else 0)
             for lease in sorted(leases, key=lambda lease: (lease.deadline, lease.lease_id)):
                 if excess <= 0:
                     break
@@ -228,10 +243,12 @@ class RetentionTable:
                 excess -= lease.blocks
         return over
 
-    def _release_oldest(self, need: int, now: float, limit: int | None = None) -> list[str]:
+    def _release_oldest(
+        self, need: int, now: float, limit: int | None = None, adding: tuple[str | None, int] = (None, 0)
+    ) -> list[str]:
         """Unpinned leases in early-release order: those over their tenant's quota first, then
         the rest; oldest deadline first within each."""
-        over = self._over_quota()
+        over = self._over_quota(adding)
         order = sorted(
             (lease for lease in self._leases.values() if not lease.pinned(now)),
             key=lambda lease: (lease.lease_id not in over, lease.deadline, lease.lease_id),

@@ -12,10 +12,11 @@ Overridden (signatures pinned by a test against the sources of vLLM 0.32 and 0.3
 - connector: ``__init__`` (config checks that refuse at start-up; the staging worker),
   ``set_xfer_handshake_metadata_pp_aware`` (D: the workers' staging ports), ``bind_gpu_block_pool``,
   ``has_pending_block_frees``, ``supports_sleep_mode`` (0.33: refused, sleep discards leased KV);
-- scheduler: ``get_num_new_matched_tokens`` (P: verify, decide, claim), ``update_state_after_alloc``
-  (P: trim at the scheduler's final external token count), ``request_finished`` (D: lease +
-  ``kvlease`` object), ``build_connector_meta`` (lease deadlines to workers, pressure relief,
-  re-claims), ``update_connector_output`` (observations, freed leases), ``shutdown``.
+- scheduler: ``get_num_new_matched_tokens`` (P: verify, decide, claim under the tenant tag of P's
+  request), ``update_state_after_alloc`` (P: trim at the scheduler's final external token count),
+  ``request_finished`` (D: a lease tagged with the router's tenant tag of D's request + ``kvlease``
+  object), ``build_connector_meta`` (lease deadlines to workers, pressure relief, re-claims),
+  ``update_connector_output`` (observations, freed leases), ``shutdown``.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from kvlease import __version__ as KVLEASE_VERSION
-from kvlease.protocol import KV, ControlInfo, Role
-from kvlease_vllm import _control, _progress, _staging
+from kvlease.protocol import KV, ControlInfo, Role, tenant_tag_of
+from kvlease_vllm import _progress, _staging
 from kvlease_vllm._compat import (
     NIXL_CONNECTOR_VERSION,
     NIXL_VERSION,
@@ -60,12 +61,11 @@ from kvlease_vllm._guards import (
 )
 from kvlease_vllm._layout import kv_regions, pull_shape, transport_advice
 from kvlease_vllm._metrics import ConnectorMetrics
-from kvlease_vllm._pull import Pull, claim_outcome
+from kvlease_vllm._pull import Pull, claim_outcome, reclaim_waiting, submit_claim
 from kvlease_vllm._retention import RetentionTable
 from kvlease_vllm._verify import (
     HandleRejected,
     Reason,
-    RemoteHandle,
     handle_ext,
     handle_mac,
     parse_handle,
@@ -289,7 +289,7 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
         (logger.info if decision.explored else logger.debug)(
             "kvlease %s: %s", request.request_id, decision.describe()
         )
-        pull = Pull(handle, verified, staged=staged)
+        pull = Pull(handle, verified, staged=staged, tenant=tenant_tag_of(params))
         if self.cfg.claim and handle.ext.control:
             if not self.secret:
                 return self._decline_plan(
@@ -298,19 +298,18 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
                     Reason.CLAIM_FAILED,
                     "no control secret on this node, and D refuses unauthenticated claims",
                 )
-            pull.claim = self._submit_claim(handle, request.request_id)
+            pull.claim = self._submit_claim(pull, request.request_id)
         return pull
 
-    def _submit_claim(self, handle: RemoteHandle, claimant: str) -> Future[ClaimResult]:
-        assert handle.ext.control is not None
-        return self._claims.submit(
-            _control.claim,
-            handle.ext.control,
-            handle.request_id,
-            self.cfg.claim_hold_s,
-            self.secret,
-            self.cfg.claim_timeout_s,
+    def _submit_claim(self, pull: Pull, claimant: str) -> Future[ClaimResult]:
+        cfg = self.cfg
+        return submit_claim(
+            self._claims,
+            pull,
             claimant,
+            hold_s=cfg.claim_hold_s,
+            secret=self.secret,
+            timeout_s=cfg.claim_timeout_s,
         )
 
     def _decline(
@@ -354,7 +353,7 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
             # no identity to prove: an upstream handle without a kvlease object (P never pulls it)
             logger.info("kvlease %s: prompt embeddings; KV not leased", rid)
             return delay, out
-        result = self.desk.add(rid, blocks, deadline)
+        result = self.desk.add(rid, blocks, deadline, tenant_tag_of(request.kv_transfer_params))
         if not result.retained:
             self._reqs_need_send[rid] = time.perf_counter()  # free at the next worker sweep
             self.metrics.releases.labels("not_retained").inc()
@@ -470,24 +469,8 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
 
     def _reclaim_waiting(self, now: float) -> None:
         """P: renew the claim of every read still waiting past half the claim hold."""
-        for rid, pull in self._pulls.items():
-            if pull.reclaim is not None and pull.reclaim.done():
-                result, error = claim_outcome(pull.reclaim)
-                pull.reclaim = None
-                if result is None or result.left is None:
-                    logger.warning(
-                        "kvlease %s: re-claim refused while the read waits: %s", rid, error or "lease gone"
-                    )
-                else:
-                    pull.claimed_at = now
-            waiting = pull.started is not None and pull.started >= 0 and pull.claimed_at is not None
-            if (
-                waiting
-                and pull.reclaim is None
-                and pull.handle is not None
-                and now - pull.claimed_at >= self.cfg.claim_hold_s / 2  # type: ignore[operator]
-            ):
-                pull.reclaim = self._submit_claim(pull.handle, rid)
+        for rid, why in reclaim_waiting(self._pulls, now, self.cfg.claim_hold_s, self._submit_claim):
+            logger.warning("kvlease %s: re-claim refused while the read waits: %s", rid, why)
 
     def _relieve_pressure(self, emergency: bool = False, need: int = 0) -> list[str]:
         leases, _ = self.desk.snapshot()

@@ -19,6 +19,7 @@ from kvlease.protocol import (
     KV_TRANSFER_PARAMS,
     prefill_request_params,
 )
+from kvlease_router._identity import tenant_from
 from security._cluster import Cluster, Listener, reply_text
 
 MARK = "EVIL"
@@ -40,6 +41,7 @@ def hostile_params(listener: Listener) -> dict[str, Any]:
         "dcp_size": 2**62,
         "pp_size": -1,
         "prompt_token_ids": [1, 2, 3],
+        KV.TENANT: f"{MARK}-tenant",  # a tenant tag of the client's choosing: the router's replaces it
         KV.KVLEASE: {
             "v": 1,
             "block_size": 16,
@@ -107,6 +109,7 @@ def assert_nothing_hostile_reached_vllm(cluster: Cluster, listener: Listener) ->
     d = pair.decode
     received = cluster.received()
     assert received, "the fakes got nothing: the test would prove nothing"
+    tags = set()
     for role, body in received:
         raw = orjson.dumps(body)
         assert MARK.encode() not in raw, (role, raw[:400])
@@ -114,6 +117,8 @@ def assert_nothing_hostile_reached_vllm(cluster: Cluster, listener: Listener) ->
         assert not (isinstance(xargs, dict) and KV_TRANSFER_PARAMS in xargs), (role, xargs)
         kv = body.get(KV_TRANSFER_PARAMS)
         assert isinstance(kv, dict), (role, kv)
+        kv = dict(kv)
+        tags.add(kv.pop(KV.TENANT, None))  # the router's own tag (kvlease mode), checked below
         assert "prompt_token_ids" not in kv and "dcp_size" not in kv and "pp_size" not in kv
         if role == "prefill":
             if kv.get(KV.REMOTE_BLOCK_IDS) is None:
@@ -126,6 +131,7 @@ def assert_nothing_hostile_reached_vllm(cluster: Cluster, listener: Listener) ->
         else:  # what D gets is what P answered
             assert kv[KV.REMOTE_ENGINE_ID] == pair.prefill.engine_id
             assert kv[KV.TP_SIZE] == 1
+    assert tags == {cluster.router.keyer.tenant_tag(tenant_from({}, None))}  # the requests' tenant
     assert listener.connections == 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -14,10 +15,13 @@ from kvlease.protocol import (
     CONTROL_METRICS_PATH,
     CONTROL_RELEASE_PATH,
     CONTROL_RENEW_PATH,
+    LEASE_STATUS_MAX_TENANTS,
     ControlInfo,
     ControlRenewRequest,
     ControlRenewResponse,
+    LeaseStatus,
     Role,
+    TenantLeases,
 )
 from kvlease_stack.testing import control_info
 from kvlease_vllm._control import ControlServer, LeaseDesk, claim
@@ -74,7 +78,28 @@ def open_client(desk: LeaseDesk) -> Iterator[httpx.Client]:
 def test_info(client: httpx.Client) -> None:
     r = client.get(CONTROL_INFO_PATH, headers=AUTH)
     assert r.status_code == 200
-    assert ControlInfo.from_json(r.json()) == INFO
+    info = ControlInfo.from_json(r.json())
+    assert replace(info, leases=None) == INFO
+    # the lease table now: the fixture's two leases are untagged
+    assert info.leases == LeaseStatus(2, 20, 100, 50, 0, TenantLeases(None, 2, 20), ())
+
+
+def test_info_counts_leases_per_tenant_tag_bounded(
+    client: httpx.Client, desk: LeaseDesk, clock: Clock
+) -> None:
+    desk.add("a-1", 3, clock.now + 40, "tag-a")
+    desk.add("a-2", 4, clock.now + 40, "tag-a")
+    desk.add("b-1", 2, clock.now + 40, "tag-b")
+    for i in range(LEASE_STATUS_MAX_TENANTS + 4):  # more tags than the status names
+        desk.add(f"small-{i}", 1, clock.now + 40, f"small-{i:02d}")
+    got = ControlInfo.from_json(client.get(CONTROL_INFO_PATH, headers=AUTH).json()).leases
+    assert got is not None
+    assert (got.leases, got.retained_blocks) == desk.snapshot()
+    assert got.tenant_count == 2 + LEASE_STATUS_MAX_TENANTS + 4
+    assert len(got.tenants) == LEASE_STATUS_MAX_TENANTS  # bounded: the top tags by blocks
+    assert got.tenants[:2] == (TenantLeases("tag-a", 2, 7), TenantLeases("tag-b", 1, 2))
+    assert got.tenant("tag-a").blocks == 7 and got.tenant("nobody") == TenantLeases("nobody", 0, 0)
+    assert got.untagged == TenantLeases(None, 2, 20)
 
 
 @pytest.mark.parametrize(
@@ -195,3 +220,22 @@ def test_claim_pins_the_lease(client: httpx.Client, desk: LeaseDesk, clock: Cloc
 def test_claim_unreachable_raises() -> None:
     with pytest.raises(OSError):
         claim("http://127.0.0.1:9", "x", 1.0, SECRET, timeout=1)
+
+
+def test_lease_status_round_trips_and_a_malformed_one_is_dropped() -> None:
+    status = LeaseStatus(3, 9, 10, 5, 1, TenantLeases(None, 1, 1), (TenantLeases("tag-a", 2, 8),))
+    assert LeaseStatus.from_json(status.to_json()) == status
+    info = replace(INFO, leases=status)
+    assert ControlInfo.from_json(info.to_json()) == info
+    good = status.to_json()
+    too_many = [TenantLeases(f"t{i}", 1, 1).to_json() for i in range(LEASE_STATUS_MAX_TENANTS + 1)]
+    for bad in (
+        [],
+        {**good, "leases": -1},
+        {**good, "tenants": "all"},
+        {**good, "tenants": too_many},
+        {**good, "tenants": [{"tenant": 7, "leases": 1, "blocks": 1}]},
+        {**good, "untagged": None},
+    ):
+        # informational: a node's malformed status never makes its /info unreadable
+        assert ControlInfo.from_json({**INFO.to_json(), "leases": bad}).leases is None

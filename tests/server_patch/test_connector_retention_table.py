@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvlease_vllm._retention import RELEASING_GRACE_S, RetentionTable
+from kvlease_vllm._retention import RELEASING_GRACE_S, AddResult, RetentionTable
 
 
 def table(cap: int = 100, guard: float = 2.0, max_ttl: float = 3600.0) -> RetentionTable:
@@ -192,3 +192,53 @@ def test_emergency_relief_frees_one_lease_oldest_unpinned_first() -> None:
     assert t.relieve(1000, 11.0, limit=1) == ["old"]
     assert t.relieve(1000, 11.0, limit=1) == ["mid"]
     assert t.relieve(1000, 11.0) == ["new"]  # without a limit: until enough (pinned never)
+
+
+# ---- per-tenant quota: leases are tagged at creation ------------------------------------------
+
+
+def test_a_tenant_filling_the_cap_pushes_out_its_own_leases_without_any_renewal() -> None:
+    t = table(cap=10)  # quota: half the cap, 5 blocks
+    t.add("b-1", 2, 10.0, now=0.0, tenant="B")  # B's leases are the oldest
+    t.add("b-2", 2, 11.0, now=0.0, tenant="B")
+    for i, deadline in enumerate((20.0, 21.0, 22.0)):
+        assert t.add(f"a-{i}", 2, deadline, now=1.0, tenant="A").released == ()
+    got = t.add("a-3", 2, 23.0, now=2.0, tenant="A")  # 12 blocks asked of 10: one lease must go
+    assert got == AddResult(True, ("a-0",))  # A's oldest, not B's older ones
+    assert {x.lease_id for x in t if x.tenant == "B"} == {"b-1", "b-2"}
+    assert t.by_tenant() == {"A": (3, 6), "B": (2, 4)}
+
+
+def test_untagged_leases_go_oldest_first() -> None:
+    t = table(cap=10)
+    t.add("b-1", 2, 10.0, now=0.0)
+    for i in range(4):
+        t.add(f"a-{i}", 2, 20.0 + i, now=1.0)
+    assert t.add("a-4", 2, 30.0, now=2.0).released == ("b-1",)  # no tags: the oldest deadline
+    assert t.by_tenant() == {None: (5, 10)}
+
+
+def test_the_lease_being_added_counts_towards_its_tenants_quota() -> None:
+    t = table(cap=10)
+    t.add("b-1", 5, 10.0, now=0.0, tenant="B")  # B at its quota, the oldest
+    t.add("a-1", 5, 20.0, now=0.0, tenant="A")  # A at its quota
+    # A asks for more: past its quota with the new lease, so its own older lease goes
+    assert t.add("a-2", 5, 30.0, now=1.0, tenant="A").released == ("a-1",)
+    assert t.get("b-1") is not None and t.get("a-1") is None
+
+
+def test_pressure_relief_releases_the_over_quota_tenant_first() -> None:
+    t = table(cap=10)
+    t.add("u-1", 1, 5.0, now=0.0)  # untagged, the oldest
+    t.add("b-1", 1, 10.0, now=0.0, tenant="B")
+    for i in range(4):
+        t.add(f"a-{i}", 2, 20.0 + i, now=0.0, tenant="A")
+    assert t.relieve(3, now=1.0) == ["a-0", "a-1"]  # A holds 8 of 10 blocks, its quota is 5
+
+
+def test_a_renewal_naming_a_tag_tags_an_untagged_lease() -> None:
+    t = table()
+    t.add("x", 3, 50.0, now=0.0)
+    assert t.get("x").tenant is None  # type: ignore[union-attr]
+    t.renew("x", 60.0, 1.0, tenant="A")
+    assert t.by_tenant() == {"A": (1, 3)}

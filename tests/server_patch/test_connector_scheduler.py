@@ -238,7 +238,7 @@ def claims(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str | None]]:
     seen: list[tuple[str, str | None]] = []
 
     def fake_claim(
-        url: str, lease_id: str, hold: float, secret: Any, timeout: float, claimant: Any = None
+        url: str, lease_id: str, hold: float, secret: Any, timeout: float, claimant: Any = None, **kw: Any
     ) -> Any:
         seen.append((lease_id, claimant))
         return ClaimResult(29.0, 4321.0)

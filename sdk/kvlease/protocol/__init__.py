@@ -85,6 +85,7 @@ from kvlease.protocol._control import (
     CONTROL_RELEASE_PATH,
     CONTROL_RENEW_PATH,
     CONTROL_SECRET_ENV,
+    LEASE_STATUS_MAX_TENANTS,
     MAX_CONTROL_ANSWER_BYTES,
     TENANT_TAG_MAX_LEN,
     ControlCall,
@@ -94,11 +95,14 @@ from kvlease.protocol._control import (
     ControlReleaseResponse,
     ControlRenewRequest,
     ControlRenewResponse,
+    LeaseStatus,
     Role,
+    TenantLeases,
     read_release_answer,
     read_renew_answer,
     release_call,
     renew_call,
+    tenant_tag_of,
 )
 from kvlease.protocol._control_client import AsyncControlClient, ControlClient
 from kvlease.protocol._handle import (  # noqa: F401
@@ -173,6 +177,7 @@ __all__ = [
     "LEASE_HANDLE_LORA",
     "LEASE_HANDLE_MAC",
     "LEASE_HANDLE_MM",
+    "LEASE_STATUS_MAX_TENANTS",
     "LEASE_UNKNOWN",
     "MAX_CONTROL_ANSWER_BYTES",
     "METRICS_PATH",
@@ -206,6 +211,7 @@ __all__ = [
     "ErrorBody",
     "InvalidConversationId",
     "LeaseHandleExt",
+    "LeaseStatus",
     "PrefillReport",
     "ProtocolError",
     "ReleaseResponse",
@@ -215,6 +221,7 @@ __all__ = [
     "Role",
     "RouterHealth",
     "RouterStatus",
+    "TenantLeases",
     "TransferParams",
     "TurnLogKey",
     "TurnLogRecord",
@@ -232,5 +239,6 @@ __all__ = [
     "release_call",
     "renew_call",
     "tail_hash",
+    "tenant_tag_of",
     "validate_conversation_id",
 ]

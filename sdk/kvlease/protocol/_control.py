@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from kvlease.protocol._common import PROTOCOL_VERSION, ProtocolError, _id_list, _int_field, _is_number
+from kvlease.protocol._handle import KV
 
 # --------------------------------------------------------------------------------------------------
 # Router -> kvlease connector control endpoint (opened by the scheduler-side connector)
@@ -21,14 +22,103 @@ CONTROL_METRICS_PATH: Final = "/metrics"
 #: Shared-secret auth on the control endpoint: ``Authorization: Bearer <secret>``.
 CONTROL_AUTH_HEADER: Final = "Authorization"
 CONTROL_SECRET_ENV: Final = "KVLEASE_CONTROL_SECRET"
-#: Longest opaque tenant tag a control renew may carry.
+#: Longest opaque tenant tag a control renew, or a request's ``kv_transfer_params``, may carry.
 TENANT_TAG_MAX_LEN: Final = 64
+#: Most tenant tags D's lease status (``GET /info``) names: those holding the most blocks.
+LEASE_STATUS_MAX_TENANTS: Final = 16
+
+
+def _tenant_ok(tag: object) -> bool:
+    return isinstance(tag, str) and 0 < len(tag) <= TENANT_TAG_MAX_LEN
+
+
+def tenant_tag_of(params: object) -> str | None:
+    """The router's tenant tag in a request's ``kv_transfer_params`` (:attr:`KV.TENANT`), or None.
+
+    The one reader on P and D. Lenient by design: anything but a string of 1 to
+    :data:`TENANT_TAG_MAX_LEN` characters (or params that are not an object) is ignored and the
+    lease is untagged; a bad tag never fails the request."""
+    tag = params.get(KV.TENANT) if isinstance(params, Mapping) else None
+    return tag if _tenant_ok(tag) else None
 
 
 class Role(str, enum.Enum):
     PREFILL = "prefill"  # kv_producer
     DECODE = "decode"  # kv_consumer
     BOTH = "both"
+
+
+@dataclass(frozen=True)
+class TenantLeases:
+    """One tenant tag's share of D's retention table (``tenant`` None: the untagged leases)."""
+
+    tenant: str | None
+    leases: int
+    blocks: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"tenant": self.tenant, "leases": self.leases, "blocks": self.blocks}
+
+    @classmethod
+    def from_json(cls, data: object) -> TenantLeases:
+        if not isinstance(data, Mapping):
+            raise ProtocolError("a tenant's leases must be an object")
+        tenant = data.get("tenant")
+        if tenant is not None and not _tenant_ok(tenant):
+            raise ProtocolError(f"tenant must be null or a string of 1-{TENANT_TAG_MAX_LEN} characters")
+        return cls(tenant, _int_field(data, "leases", 0, 1 << 31), _int_field(data, "blocks", 0, 1 << 40))
+
+
+@dataclass(frozen=True)
+class LeaseStatus:
+    """``leases`` of ``GET /info``: the node's retention table now (D; a P's is empty).
+
+    JSON: ``{"leases": 3, "retained_blocks": 40, "capacity_blocks": 100, "tenant_quota_blocks": 50,
+    "tenant_count": 2, "untagged": {"tenant": null, "leases": 1, "blocks": 4},
+    "tenants": [{"tenant": "<tag>", "leases": 2, "blocks": 36}, ...]}``. Bounded: ``tenants`` names
+    at most :data:`LEASE_STATUS_MAX_TENANTS` tags, most blocks first (ties by tag);
+    ``tenant_count`` is how many tags hold leases in all. Tags are the router's opaque ones.
+    """
+
+    leases: int
+    retained_blocks: int
+    capacity_blocks: int
+    tenant_quota_blocks: int
+    tenant_count: int = 0
+    untagged: TenantLeases = TenantLeases(None, 0, 0)
+    tenants: tuple[TenantLeases, ...] = ()
+
+    def tenant(self, tag: str) -> TenantLeases:
+        """``tag``'s share (zero when it is not among the listed tags)."""
+        return next((t for t in self.tenants if t.tenant == tag), TenantLeases(tag, 0, 0))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "leases": self.leases,
+            "retained_blocks": self.retained_blocks,
+            "capacity_blocks": self.capacity_blocks,
+            "tenant_quota_blocks": self.tenant_quota_blocks,
+            "tenant_count": self.tenant_count,
+            "untagged": self.untagged.to_json(),
+            "tenants": [t.to_json() for t in self.tenants],
+        }
+
+    @classmethod
+    def from_json(cls, data: object) -> LeaseStatus:
+        if not isinstance(data, Mapping):
+            raise ProtocolError("info.leases must be an object")
+        tenants = data.get("tenants")
+        if not isinstance(tenants, list) or len(tenants) > LEASE_STATUS_MAX_TENANTS:
+            raise ProtocolError(f"info.leases.tenants must be a list of at most {LEASE_STATUS_MAX_TENANTS}")
+        return cls(
+            leases=_int_field(data, "leases", 0, 1 << 31),
+            retained_blocks=_int_field(data, "retained_blocks", 0, 1 << 40),
+            capacity_blocks=_int_field(data, "capacity_blocks", 0, 1 << 40),
+            tenant_quota_blocks=_int_field(data, "tenant_quota_blocks", 0, 1 << 40),
+            tenant_count=_int_field(data, "tenant_count", 0, 1 << 31),
+            untagged=TenantLeases.from_json(data.get("untagged")),
+            tenants=tuple(TenantLeases.from_json(t) for t in tenants),
+        )
 
 
 @dataclass(frozen=True)
@@ -54,6 +144,8 @@ class ControlInfo:
     #: The NIXL READ transport this node's configuration leads to, in words (or why it may fall back
     #: to TCP emulation), as logged at start-up. None: an older node that does not report it.
     transport: str | None = None
+    #: The node's retention table now, per tenant tag (bounded). None: an older node.
+    leases: LeaseStatus | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -71,6 +163,7 @@ class ControlInfo:
             "connector_version": self.connector_version,
             "data_parallel_index": self.data_parallel_index,
             "transport": self.transport,
+            "leases": self.leases.to_json() if self.leases is not None else None,
         }
 
     @classmethod
@@ -107,7 +200,17 @@ class ControlInfo:
                 else 0
             ),
             transport=transport[:500] if isinstance(transport, str) and transport else None,
+            leases=_lease_status(data.get("leases")),
         )
+
+
+def _lease_status(data: object) -> LeaseStatus | None:
+    """A node's lease status is for operators and tests: a malformed one is dropped, never a reason
+    to refuse the node's ``/info``."""
+    try:
+        return LeaseStatus.from_json(data) if data is not None else None
+    except ProtocolError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -122,6 +225,8 @@ class ControlRenewRequest:
     ``"tenant": "<tag>"`` (optional, router renews and P's claims): an opaque tag of the tenant the
     leases belong to (derived by the router; it reveals nothing). D counts each tag's retained blocks
     against its per-tenant quota, and a tenant's leases over quota are released first under pressure.
+    A lease is already tagged when D creates it (the router's tag in D's request, :data:`KV.TENANT`);
+    a renew or claim naming a tag sets it again, so leases of a tenant that never renews count too.
     """
 
     request_ids: tuple[str, ...]
@@ -153,7 +258,7 @@ class ControlRenewRequest:
         if claimant is not None and (not isinstance(claimant, str) or not claimant or len(claimant) > 512):
             raise ProtocolError("claimant must be a non-empty string")
         tenant = data.get("tenant") if isinstance(data, Mapping) else None
-        if tenant is not None and not (isinstance(tenant, str) and 0 < len(tenant) <= TENANT_TAG_MAX_LEN):
+        if tenant is not None and not _tenant_ok(tenant):
             raise ProtocolError(f"tenant must be a string of 1-{TENANT_TAG_MAX_LEN} characters")
         return cls(ids, float(ttl), claim, claimant if claim else None, tenant)
 

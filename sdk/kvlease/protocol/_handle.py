@@ -41,6 +41,9 @@ class KV:
     #: vLLM 0.33 (NIXL connector version 15): D's KV registration generation (bumped on re-register).
     REMOTE_REGISTRATION_GENERATION: Final = "remote_registration_generation"
     KVLEASE: Final = "kvlease"  # the sub-object the kvlease connector adds and reads
+    #: The router's opaque tenant tag on P's and D's requests (kvlease mode only; never in a handle,
+    #: outside the MAC): D tags the lease it creates, P its claim. Read by ``tenant_tag_of``.
+    TENANT: Final = "kvlease_tenant"
 
 
 #: Keys of the ``kvlease`` sub-object of *P's* response params: what P's verified pull did on this

@@ -4,8 +4,9 @@ vLLM is outside this project, so :mod:`kvlease_stack.testing.fake_vllm` fakes it
 inside it is not faked. :class:`PrefillLogic` mirrors ``KVLeaseScheduler`` on P
 (``get_num_new_matched_tokens`` → ``parse_handle`` with the MAC, ``verified_tokens`` over the
 salted prompt, ``trim_params``); :class:`DecodeLeases` mirrors it on D
-(``request_finished`` → ``LeaseDesk.add`` over the real :class:`RetentionTable`, ``handle_ext`` with
-block and tail hashes, ``handle_mac``) and the control endpoint's renew/release. What stays fake is
+(``request_finished`` → ``LeaseDesk.add`` over the real :class:`RetentionTable`, the lease tagged
+with the tenant tag of D's request, ``handle_ext`` with block and tail hashes, ``handle_mac``) and
+the control endpoint's renew/release and lease status. What stays fake is
 what vLLM's workers do: the blocks' contents, the single-use NIXL read and the expiry sweep.
 """
 
@@ -27,6 +28,7 @@ from kvlease.protocol import (
     ControlRenewRequest,
     ControlRenewResponse,
     ReuseStatus,
+    tenant_tag_of,
 )
 from kvlease_vllm._config import KVLeaseConfig
 from kvlease_vllm._control import LeaseDesk
@@ -74,7 +76,8 @@ class PrefillLogic:
     """P's verification of D's handle (``KVLeaseScheduler._plan``, without claim and cost model).
 
     The fake pulls every verified token (no recompute threshold, no prefix cache of its own), and
-    does not claim at D: its single-use read of D's blocks stands in for both.
+    does not claim at D: its single-use read of D's blocks stands in for both (so it has no claim
+    to forward the tenant tag of its request on; the router's tests read the tag P was sent).
     """
 
     def __init__(self, cfg: KVLeaseConfig, secret: Callable[[], str | None]) -> None:
@@ -133,16 +136,19 @@ class DecodeLeases(MutableMapping[str, list[int]]):
         control: str | None,
         secret: str | None,
         kvlease: bool = True,
+        request_params: object = None,
     ) -> bool:
         """Lease ``tokens`` for ``params``'s request and put the ``kvlease`` object into ``params``.
 
         False: over the retention cap, not retained (the caller returns no handle). ``kvlease``
-        off: stock vLLM, the blocks are retained but the handle carries no ``kvlease`` object."""
+        off: stock vLLM, the blocks are retained but the handle carries no ``kvlease`` object.
+        ``request_params``: the ``kv_transfer_params`` of D's request; the lease is tagged with the
+        router's tenant tag in them (``tenant_tag_of``), as the connector's ``request_finished``."""
         self.sweep(SWEEP_EVERY_S)
         rid = params[KV.REMOTE_REQUEST_ID]
         deadline = self.clock() + ttl
         blocks = sum(len(g) for g in params[KV.REMOTE_BLOCK_IDS])
-        added = self.desk.add(rid, blocks, deadline)
+        added = self.desk.add(rid, blocks, deadline, tenant_tag_of(request_params))
         if added.released:  # over the cap: older leases released early; the workers free them now
             self.sweep()
         if not added.retained:
@@ -171,7 +177,10 @@ class DecodeLeases(MutableMapping[str, list[int]]):
         """Raises ``ProtocolError`` on a bad body (the endpoint answers 400)."""
         req = ControlRenewRequest.from_json(body)
         self.sweep()
-        expires = self.desk.renew(req.request_ids, min(req.ttl, self.cfg.max_ttl_s), pin=req.claim)
+        ttl = min(req.ttl, self.cfg.max_ttl_s)
+        expires = self.desk.renew(
+            req.request_ids, ttl, pin=req.claim, claimant=req.claimant, tenant=req.tenant
+        )
         self.sweep()
         return req, ControlRenewResponse(expires).to_json()
 

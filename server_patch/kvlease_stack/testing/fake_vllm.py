@@ -364,6 +364,7 @@ class FakeNode:
                 control=self.control,
                 secret=self._secret(),
                 kvlease=cfg.kvlease,
+                request_params=kv,
             )
             return out if retained else None
         return None
@@ -473,6 +474,7 @@ class FakeNode:
             recompute_threshold=64,
             block_size=cfg.block_size,
             model=cfg.model,
+            leases=self.retained.desk.status(),
         )
         return web.json_response(info.to_json())
 

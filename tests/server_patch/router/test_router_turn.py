@@ -104,6 +104,21 @@ def test_upstream_params_keeps_a_valid_handle_without_ps_report() -> None:
     assert out is not None and out[KV.REMOTE_ENGINE_ID] == "e" and KV.KVLEASE not in out
 
 
+@pytest.mark.parametrize(("settings", "tag"), [(KV_SETTINGS, "t" * 24), (STOCK, None)])
+@pytest.mark.parametrize("key", ["k", None])
+def test_plan_carries_the_tenant_tag_in_kvlease_mode_only(
+    settings: RouterSettings, tag: str | None, key: str | None
+) -> None:
+    assert plan(TurnFacts(True, key, tenant_tag="t" * 24), None, NOW, settings).tenant_tag == tag
+
+
+def test_upstream_params_tags_ds_request_and_drops_a_tag_p_echoed() -> None:
+    out = upstream_params({**HANDLE, KV.TENANT: "from-p"}, "router-tag")
+    assert out is not None and out[KV.TENANT] == "router-tag"
+    assert KV.TENANT not in (upstream_params({**HANDLE, KV.TENANT: "from-p"}) or {})
+    assert upstream_params("not a handle", "router-tag") is None  # D prefills itself, leases nothing
+
+
 # ---- next_attempt: the retry rule, as a table ----------------------------------------------------
 
 P1 = Attempt(prefill=True, n_nodes=1, node="a")
