@@ -96,6 +96,9 @@ class KVLeaseConfig:
     control_advertise_host: str | None = None
     #: Cap on blocks retained for leases, as a fraction of the KV cache.
     max_retained_fraction: float = 0.5
+    #: Share of that cap one tenant (the router's opaque tenant tag) may hold before its oldest
+    #: leases are the first released under pressure. 1.0: no per-tenant quota.
+    tenant_quota_fraction: float = 0.5
     #: Keep at least this fraction of the KV cache free (incl. evictable prefix-cache blocks):
     #: below it, leases are released early, oldest deadline first.
     min_free_fraction: float = 0.1
@@ -196,6 +199,7 @@ KVLEASE_KEYS: Final = tuple(f.name for f in fields(KVLeaseConfig))
 _FLOAT_RANGES: Final[dict[str, tuple[float, float, bool]]] = {
     # name: (lo, hi, lo_inclusive)
     "max_retained_fraction": (0.0, 1.0, True),
+    "tenant_quota_fraction": (0.0, 1.0, False),
     "min_free_fraction": (0.0, 0.9, True),
     "max_ttl_s": (0.0, 7 * 86_400.0, False),
     "renew_guard_s": (0.0, 3600.0, True),

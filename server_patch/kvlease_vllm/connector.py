@@ -101,7 +101,13 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
         self.metrics = ConnectorMetrics()
         cap = int(kv_cache_config.num_blocks * cfg.max_retained_fraction)
         self.desk = LeaseDesk(
-            RetentionTable(cap, max_ttl=cfg.max_ttl_s, renew_guard=cfg.renew_guard_s), self.metrics
+            RetentionTable(
+                cap,
+                max_ttl=cfg.max_ttl_s,
+                renew_guard=cfg.renew_guard_s,
+                tenant_quota_fraction=cfg.tenant_quota_fraction,
+            ),
+            self.metrics,
         )
         self.cost = CostModel(
             bytes_per_token=bytes_per_token(kv_cache_config, self.block_size),

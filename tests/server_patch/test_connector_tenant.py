@@ -136,3 +136,10 @@ def test_p_with_a_bad_tag_claims_untagged(connector: Any, claims: list) -> None:
 )
 def test_tenant_tag_of(params: object, tag: str | None) -> None:
     assert tenant_tag_of(params) == tag
+
+
+@pytest.mark.parametrize("fraction", [0.25, 1.0])
+def test_the_tenant_quota_is_configured(connector: Any, fraction: float) -> None:
+    status = scheduler(connector, tenant_quota_fraction=fraction).connector_scheduler.desk.status()
+    assert status.capacity_blocks == 500  # the stand-in's 1000 blocks, max_retained_fraction 0.5
+    assert status.tenant_quota_blocks == int(fraction * 500)
