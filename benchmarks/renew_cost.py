@@ -5,8 +5,10 @@ of :data:`kvlease.protocol.RENEW_MAX_IDS` ids) and reads this process's CPU time
 the router's own work: parsing and validating the ids, keying them (keyed BLAKE2b), one ``get_many``
 on the store, grouping by decode node, folding D's answers, one ``renew_many`` and the answer. Both
 stores: the in-memory one (deadlines renewed in place) and, where ``redis-server`` is installed, a
-real Redis (records read through one script call, MAC-checked, re-sealed and written back through
-one script call; the redis-py client's work is the router's, Redis's own CPU is not counted).
+real Redis (records read through one script call, which answers only the 49-byte expiry part of a
+record this process remembers; one small MAC per id for its new lease end, written back through one
+script call that rewrites only that part: no record is re-serialized or re-sealed; the redis-py
+client's work is the router's, Redis's own CPU is not counted).
 aiohttp's HTTP parsing and the decode node's work are not in it (D's control call is a stub that
 renews everything). Two cases:
 

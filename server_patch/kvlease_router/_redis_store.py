@@ -13,7 +13,11 @@ not an outage, and one client's burst must not switch reuse off for every tenant
 
 What Redis holds is untrusted (anyone who can write it could plant records): every record is
 sealed by :class:`~kvlease_router._store.RecordSeal` under a key derived from the router's key
-secret, which is configuration, never stored here. A forged, moved or garbled record reads as absent.
+secret, which is configuration, never stored here. A forged, moved or garbled record reads as absent;
+a lease end without its MAC is ignored. The lease end is MACed apart from the record (format ``v2``),
+so a renewal rewrites 49 bytes of each value (``SETRANGE``) and computes one small MAC per id: no
+JSON, no re-seal. Records written by an older router (format ``v1``) read as absent: the state is a
+cache, so an upgrade costs each conversation one turn of reuse.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from itertools import islice
+from operator import is_, itemgetter
 from typing import Any
 
 import orjson
@@ -33,35 +39,91 @@ KEY_PREFIX = "kvlease:conv:"
 #: Default size of the connection pool of one router process.
 DEFAULT_MAX_CONNECTIONS = 32
 
-# A renew's batches as one command each, its keys and values in one JSON argument and its answer in
+# A renew's batches as one command each, its keys and values in JSON arguments and its answer in
 # one bulk reply: redis-py packs each argument and parses each reply in Python (about 10 µs a
 # command, 2 µs a value), so 10,000 ``SET``s in a pipeline, or 10,000 values of an ``MGET``, cost
 # the router hundreds of milliseconds where one JSON string costs a few. The scripts only move
-# bytes: what they read is opened (MAC-checked) by the router as any read, and what they write was
-# sealed by it. A Redis without scripting (or a reply that is not JSON: a planted value that is not
-# UTF-8) falls back to ``MGET`` and a pipeline.
+# bytes: what they read is opened by the router as any read (``RedisStore._open``), and what they
+# write was sealed (or tagged) by it. A Redis without scripting (or a reply that is not JSON: a planted value that is not
+# UTF-8) falls back to ``MGET`` and a pipeline. ``pcall`` and the type checks: a key of another
+# type (planted) reads as absent and is not written, instead of failing the whole batch.
+#
+# The read: ARGV prefix, keys, and per key the fingerprint (``M[:16]``) of the body MAC and the
+# expiry tag ``T`` this process remembers for it ("" if none). A value with that MAC and tag answers
+# "" (as this process left it: ``T`` binds the lease end), one with that MAC and another tag (a
+# replica renewed it) its expiry part ``E.T`` (49 bytes), any other the whole value (see
+# ``RedisStore._open``); and when every value is as this process left it, the answer is ``=``. So a
+# renew of records this process knows reads a few bytes, whatever the size of D's handles.
 _GET_MANY_LUA = """
-local keys = cjson.decode(ARGV[1])
+local p = ARGV[1]
+local keys = cjson.decode(ARGV[2])
+local fps = cjson.decode(ARGV[3])
+local tags = cjson.decode(ARGV[4])
 local out = {}
+local same = true
 for i = 1, #keys do
-  out[i] = redis.call('GET', keys[i])
+  local v = redis.pcall('GET', p .. keys[i])
+  if type(v) ~= 'string' or v == '' then
+    v = false
+    same = false
+  elseif fps[i] ~= '' and string.sub(v, 54, 69) == fps[i] then
+    if string.sub(v, 21, 52) == tags[i] then
+      v = ''
+    else
+      v = string.sub(v, 4, 52)
+      same = false
+    end
+  else
+    same = false
+  end
+  out[i] = v
+end
+if same then
+  return '='
 end
 return cjson.encode(out)
 """
+# The renewal: ARGV prefix, PX milliseconds, ``E.``, then keys, the fingerprint of the body MAC
+# each must still have, and their expiry tags (``E.T`` goes at offset 3 and the TTL moves, only
+# where that MAC is still there: a key gone stays gone, a record a turn replaced meanwhile is left
+# as it is), then keys and whole sealed values for ``SET XX`` (records this process does not
+# remember). Answers the (1-based) indexes of the first list that were not renewed.
 _RENEW_MANY_LUA = """
-local keys = cjson.decode(ARGV[2])
-local values = cjson.decode(ARGV[3])
-local n = 0
+local p, ms, e = ARGV[1], ARGV[2], ARGV[3]
+local keys = cjson.decode(ARGV[4])
+local fps = cjson.decode(ARGV[5])
+local tags = cjson.decode(ARGV[6])
+local missed = {}
 for i = 1, #keys do
-  if redis.call('SET', keys[i], values[i], 'PX', ARGV[1], 'XX') then n = n + 1 end
+  local k = p .. keys[i]
+  if redis.pcall('GETRANGE', k, 53, 68) == fps[i] then
+    redis.call('SETRANGE', k, 3, e .. tags[i])
+    redis.call('PEXPIRE', k, ms)
+  else
+    missed[#missed + 1] = i
+  end
 end
-return n
+local fk = cjson.decode(ARGV[7])
+local fv = cjson.decode(ARGV[8])
+for i = 1, #fk do
+  redis.pcall('SET', p .. fk[i], fv[i], 'PX', ms, 'XX')
+end
+return missed
 """
 #: Records this process wrote (or opened) and still remembers, per store: see ``RedisStore._open``.
+#: Past it the oldest tenth goes at once: one pass over the dict, where one ``next(iter(d))`` per
+#: eviction walks every slot deleted from the dict's front before it (quadratic: 10,000 evictions
+#: from a full memo cost 50 ms).
 MEMO_ENTRIES = 20_000
 #: Batches below this size go as plain commands (the scripts pay off on large ones).
 _SCRIPT_MIN_KEYS = 64
 _NO_SCRIPT = object()
+#: A memo entry, a list (a renewal updates it in place): the expiry tag ``T`` as last written or
+#: verified, the fingerprint ``M[:16]`` the scripts match, the record (the store's own object),
+#: ``material(key, M)``, ``M``, and the lease end in the record's JSON.
+_Memo = list[Any]
+_TAG, _FP, _REC, _MAT = (itemgetter(i) for i in range(4))
+_PART_LEN = 49
 
 
 def redis_client_from_url(url: str, timeout: float, max_connections: int = DEFAULT_MAX_CONNECTIONS) -> Any:
@@ -111,41 +173,65 @@ class RedisStore:
         self._down_until = 0.0
         self._scripts: tuple[Any, Any] | None = None
         self._scripts_ok = True
-        #: key -> (the exact bytes this process sealed or opened for it, their record)
-        self._memo: dict[str, tuple[bytes, ConversationRecord]] = {}
+        #: key -> memo entry (see ``_Memo``), oldest first.
+        self._memo: dict[str, _Memo] = {}
 
-    def _remember(self, key: str, raw: bytes, record: ConversationRecord) -> None:
+    def _remember(self, key: str, tag: str, mac: str, record: ConversationRecord, sealed_at: float) -> None:
         memo = self._memo
-        memo[key] = (raw, record)
-        if len(memo) > MEMO_ENTRIES:
-            del memo[next(iter(memo))]  # the oldest
+        memo.pop(key, None)  # a new record: the newest
+        memo[key] = [tag, mac[:16], record, RecordSeal.material(key, mac), mac, sealed_at]
+        if len(memo) > MEMO_ENTRIES:  # the oldest tenth at once, see ``MEMO_ENTRIES``
+            for old in list(islice(memo, len(memo) - MEMO_ENTRIES + MEMO_ENTRIES // 10)):
+                del memo[old]
 
-    def _open(self, key: str, raw: bytes | str | None) -> ConversationRecord | None:
-        """``RecordSeal.open``, skipped for bytes identical to the ones this process last sealed
-        or opened for this key: ``open`` is a function of (key, bytes) alone (the same MAC over
-        the same key and body, the same parse), so the memo is only a cache of it, right whatever
-        Redis holds now (a renew reads back what the last renew wrote). Anything else, a value
-        another replica wrote or one planted in Redis included, is MAC-checked and parsed as always."""
-        if raw is None:
+    def _open(self, key: str, seen: _Memo | None, raw: bytes | str | None) -> ConversationRecord | None:
+        """The record of a stored value (``None``: absent, forged, moved or garbled). ``raw``: the
+        whole value, or its expiry part ``E.T`` alone (the read script's answer where the stored
+        MAC has the fingerprint of ``seen``, this key's memo entry when the value was asked for).
+
+        The memo spares the body MAC and the JSON of records this process wrote or verified: a
+        value with the remembered ``M`` (or, from the script, its fingerprint) is the remembered
+        record, with the remembered lease end where it has the remembered tag (``T`` binds the
+        lease end: no other one has it), and with another one (a replica renewed it) after one tag
+        check: a part that fails it is ignored, as in ``RecordSeal.unseal``. Sound: ``M`` is this
+        process's MAC over (key, body), so the one body it stands for is the remembered one. A
+        value with that MAC (or fingerprint) or tag and other bytes elsewhere answers a state this
+        router stored under this key, as a writer replaying that value would make any reader
+        answer, never anything else. Anything else (a value another replica wrote, one planted in
+        Redis) is MAC-checked and parsed as always."""
+        if not raw:
             return None
-        if isinstance(raw, str):
-            raw = raw.encode("utf-8", "surrogatepass")
-        seen = self._memo.get(key)
-        if seen is not None and seen[0] == raw:
-            return seen[1]
-        record = self._seal.open(key, raw)
-        if record is not None:
-            self._remember(key, raw, record)
+        if isinstance(raw, bytes):
+            raw = raw.decode("utf-8", "surrogateescape")  # exact: the MAC is over the bytes
+        if seen is not None:
+            mac = seen[4]
+            part = raw if len(raw) == _PART_LEN else raw[3:52] if raw[53:85] == mac else None
+            if part is not None:
+                if part[17:] == seen[0]:
+                    return seen[2]  # type: ignore[no-any-return]
+                expires_at = self._seal.expiry(key, mac, part)
+                # in place, as a renewal from this process (the store's own record)
+                seen[0] = part[17:]
+                seen[2].__dict__["expires_at"] = seen[5] if expires_at is None else expires_at
+                return seen[2]  # type: ignore[no-any-return]
+        opened = self._seal.unseal(key, raw)
+        if opened is None:
+            return None
+        record, mac, sealed_at = opened
+        self._remember(key, raw[20:52], mac, record, sealed_at)
         return record
 
     def _sealed(self, key: str, record: ConversationRecord) -> bytes:
-        raw = self._seal.seal(key, record)
-        self._remember(key, raw, record)
-        return raw
+        """The sealed value of ``record``, remembered with the store's own copy of it (a renewal
+        moves the lease end of the memo's records in place; a caller's object never changes)."""
+        head, mac, body = self._seal.seal_parts(key, record)
+        self._remember(key, head[20:52], mac, record.with_expiry(record.expires_at), record.expires_at)
+        return head.encode("ascii") + body
 
     @property
     def rejected(self) -> int:
-        """Records read as absent because they failed the MAC or did not parse."""
+        """Records read as absent because they failed the MAC or did not parse, and lease ends
+        ignored because they failed theirs."""
         return self._seal.rejected
 
     async def _call(self, coro: Any) -> Any:
@@ -180,27 +266,42 @@ class RedisStore:
 
     async def get(self, key: str) -> ConversationRecord | None:
         raw = await self._call(self._client.get(self._prefix + key))
-        return self._open(key, raw)
+        return self._open(key, self._memo.get(key), raw)
 
     async def get_many(self, keys: Sequence[str]) -> list[ConversationRecord | None]:
         if not keys:
             return []
-        p = self._prefix
+        seen: list[Any] = list(map(self._memo.get, keys))  # as asked: the script answers for these
         raws: Any = _NO_SCRIPT
         if self._scripts_ok and len(keys) >= _SCRIPT_MIN_KEYS:
-            blob = await self._call(self._run_script(0, [orjson.dumps([p + k for k in keys])]))
+            dumps = orjson.dumps
+            if None not in seen:
+                known = [dumps(list(map(_FP, seen))), dumps(list(map(_TAG, seen)))]
+            else:
+                known = [dumps([e[1] if e else "" for e in seen]), dumps([e[0] if e else "" for e in seen])]
+            blob = await self._call(self._run_script(0, [self._prefix, dumps(keys), *known]))
+            if blob == b"=":  # every one as this process left it
+                return list(map(_REC, seen))
             if blob is not _NO_SCRIPT:
                 try:
                     raws = orjson.loads(blob)
                 except orjson.JSONDecodeError:  # a planted value that is not UTF-8: read it plainly
                     raws = _NO_SCRIPT
         if raws is _NO_SCRIPT:
-            raws = await self._call(self._client.mget([p + k for k in keys]))
+            raws = await self._call(self._client.mget([self._prefix + k for k in keys]))
         if not isinstance(raws, list) or len(raws) != len(keys):
             raise StoreError("redis: MGET answered the wrong number of values")
-        # the script's JSON has ``false`` for a missing key, and each value as a string
+        # the script's JSON has ``false`` for a missing key, "" for one as this process left it
+        # (only where it sent a tag), and other values as strings
         open_ = self._open
-        return [open_(k, raw) if raw else None for k, raw in zip(keys, raws)]
+        out: list[ConversationRecord | None] = []
+        append = out.append
+        for key, entry, raw in zip(keys, seen, raws):
+            if raw == "" and entry is not None:
+                append(entry[2])
+            else:
+                append(open_(key, entry, raw))
+        return out
 
     async def put(self, key: str, state: ConversationRecord, keep_for: float) -> None:
         ms = int(keep_for * 1000)
@@ -226,31 +327,73 @@ class RedisStore:
     async def renew_many(
         self, keys: Sequence[str], records: Sequence[ConversationRecord], expires_at: float, keep_for: float
     ) -> None:
-        """One pipeline of ``SET XX``: the record is re-sealed with its new lease end (the MAC covers
-        it), and a key gone meanwhile (expired, released) is not brought back."""
+        """A key gone meanwhile (expired, released) is not brought back. Through the script, a
+        record this process remembers (the one ``get_many`` answered) gets a new expiry part
+        (``E`` and its tag, one small MAC) where its body MAC is still the one read: a record a turn
+        replaced meanwhile is left as it is. Any other record, and every record without scripts,
+        is re-sealed whole and written with ``SET XX`` (the renewal wins)."""
         if not keys:
             return
         ms = int(keep_for * 1000)
+        scripted = ms > 0 and self._scripts_ok and len(keys) >= _SCRIPT_MIN_KEYS
+        if scripted and await self._renew_by_script(keys, records, expires_at, ms):
+            return
         p, seal = self._prefix, self._sealed
-        if ms > 0 and self._scripts_ok and len(keys) >= _SCRIPT_MIN_KEYS:
-            values = [
-                seal(key, record.with_expiry(expires_at)).decode() for key, record in zip(keys, records)
-            ]
-            args = [ms, orjson.dumps([p + k for k in keys]), orjson.dumps(values)]
-            if await self._call(self._run_script(1, args)) is not _NO_SCRIPT:
-                return
         pipe = self._client.pipeline(transaction=False)
         if ms <= 0:
             for key in keys:
                 pipe.delete(p + key)
+                self._memo.pop(key, None)
         else:
             for key, record in zip(keys, records):
                 pipe.set(p + key, seal(key, record.with_expiry(expires_at)), px=ms, xx=True)
         await self._call(pipe.execute())
 
+    async def _renew_by_script(
+        self, keys: Sequence[str], records: Sequence[ConversationRecord], expires_at: float, ms: int
+    ) -> bool:
+        """``renew_many`` through the script; ``False`` when this Redis refuses scripts."""
+        code = RecordSeal.expiry_code(expires_at)
+        entries: list[Any] = list(map(self._memo.get, keys))
+        tagged: Sequence[str] = keys
+        whole: list[str] = []
+        values: list[str] = []
+        if None in entries or not all(map(is_, map(_REC, entries), records)):
+            # some are not the records this store answered (the memo forgot them, or a caller's
+            # own): those are re-sealed whole
+            mine = [e is not None and e[2] is r for e, r in zip(entries, records)]
+            tagged = [k for k, m in zip(keys, mine) if m]
+            entries = [e for e, m in zip(entries, mine) if m]
+            for key, record, m in zip(keys, records, mine):
+                if not m:
+                    whole.append(key)
+                    values.append(self._sealed(key, record.with_expiry(expires_at)).decode("utf-8"))
+        copy = self._seal.tagger(code).copy
+        tags: list[str] = []
+        append = tags.append
+        for entry in entries:
+            h = copy()  # T: one small MAC, nothing else
+            h.update(entry[3])
+            append(tag := h.hexdigest())
+            # The memo as Redis will be: the new tag, and the record's new lease end in place (as
+            # the memory store: the store's own copy; a holder sees the lease as it now is; D has
+            # renewed it). Set before the write, so no second pass: where the write fails or
+            # misses, Redis's tag differs from this one and the next read checks Redis's anew.
+            entry[0] = tag
+            entry[2].__dict__["expires_at"] = expires_at
+        dumps = orjson.dumps
+        fps = dumps(list(map(_FP, entries)))
+        args = [self._prefix, ms, code + ".", dumps(tagged), fps, dumps(tags), dumps(whole), dumps(values)]
+        missed = await self._call(self._run_script(1, args))
+        if missed is _NO_SCRIPT:
+            return False
+        for i in missed:  # gone, or replaced meanwhile: nothing renewed, nothing to remember
+            self._memo.pop(tagged[int(i) - 1], None)
+        return True
+
     async def delete(self, key: str) -> ConversationRecord | None:
         raw = await self._call(self._client.getdel(self._prefix + key))
-        record = self._open(key, raw)
+        record = self._open(key, self._memo.get(key), raw)
         self._memo.pop(key, None)
         return record
 

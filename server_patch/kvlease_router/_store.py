@@ -13,18 +13,23 @@ A store maps a tenant-scoped conversation key (see ``_identity``) to the last
   still present gets the lease end ``expires_at`` (nothing else of its record changes) and lives
   ``keep_for`` more seconds, in one round trip; a key gone meanwhile (expired, released) stays
   gone. The memory store updates its entries in place (a record a turn replaced meanwhile is left
-  as it is); Redis rewrites the re-sealed records with ``SET XX`` (the renewal wins).
+  as it is); Redis rewrites only each record's expiry part and its small MAC (a record a turn
+  replaced meanwhile is left as it is, see ``_redis_store``).
 * A backend failure raises :class:`StoreError`; callers degrade to the miss path.
 
 What a shared backend (Redis) holds is untrusted: :class:`RecordSeal` MACs each record, bound to its
-key, under a key derived from the router's key secret (which never sits in the backend); a record
-that fails the MAC or does not parse reads as absent (it costs reuse, never an error).
+key, under a key derived from the router's key secret (which never sits in the backend), and its
+lease end separately (bound to the key and the record's MAC), so a renewal re-MACs 49 bytes, not the
+record; a record that fails the MAC or does not parse reads as absent (it costs reuse, never an
+error), a lease end that fails its MAC is ignored. Records of the older format (``v1``) read as
+absent: an upgrade costs each conversation one turn of reuse.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import struct
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -113,55 +118,160 @@ def _opt_str(v: object) -> str | None:
 
 
 class RecordSeal:
-    """MACs of stored records: ``v1.<mac>.<json>``, the MAC (HMAC-SHA256, 128 bits) over the record's
-    key and its JSON, under a key derived from the router's key secret for this use only.
+    """MACs of stored records (format ``v2``): ``v2.<E>.<T>.<M>.<json>``, ASCII up to the JSON.
 
-    Bound to the key, so a record copied to another conversation's (or tenant's) key fails too.
+    * ``M``, the body MAC: HMAC-SHA256 (128 bits, hex) over the record's key, 0x00 and its JSON,
+      under a subkey derived from the router's key secret for this use only. Bound to the key, so a
+      record copied to another conversation's (or tenant's) key fails.
+    * ``E``, the lease end: the IEEE-754 double, big-endian, in 16 hex digits (exact, fixed width).
+    * ``T``, the expiry tag: keyed BLAKE2b-128 (a MAC by design, as in ``_identity.Keyer``) over
+      ``E || key || M`` under a second subkey. ``E`` and ``M`` have a fixed width, so the message
+      is injective.
+
+    The JSON keeps the lease end the record was written with; ``E`` is the current one. A renewal
+    rewrites only ``E`` and ``T`` (49 bytes at offset ``EXPIRY_AT``): one small MAC per id, no
+    JSON, no body MAC. What a reader accepts, and why that is safe:
+
+    * the body only under a valid ``M`` (else the record reads as absent, counted in ``rejected``);
+    * ``E`` only under a valid ``T`` for this key and this ``M``. An ``E`` without one (planted,
+      garbled, or moved from another record: ``T`` binds the key and ``M``) is ignored: the record
+      reads with the lease end in its JSON (what the turn that wrote it granted) and counts in
+      ``rejected``.
+
+    So a reader accepts a pair (body, ``E``) only when the router (or a replica with the same
+    secret) wrote that ``E`` for that very body under that key: a state the router itself stored
+    there at some point. A Redis writer can replay an older pair, as it could replay a whole older
+    record in any format (a renewal's ``E`` is never sealed against time): an older ``E`` of the
+    same body shortens the lease (no worse than deleting the record), and one later than the latest
+    (when D answered a shorter lease since) is a lease end the router granted, with D's confirmation,
+    for that very handle: the router's lease is advisory, P still claims the lease on D before a
+    pull and a failed claim declines (D may release early on its own anyway). Nothing lets a writer
+    give a body an ``E`` the router never wrote for it, nor any ``E`` to a record it never sealed.
+
+    Records of the older format (``v1.<mac>.<json>``, one MAC over the whole record) read as absent:
+    the state is a cache, so an upgrade costs each conversation one turn of reuse, and routers of
+    both formats on one Redis do not share state.
     """
 
-    __slots__ = ("_inner", "_outer", "rejected")
+    __slots__ = ("_inner", "_outer", "_tag", "rejected")
 
-    PREFIX = b"v1."
+    PREFIX = "v2."
+    #: Offsets in a sealed value: ``E`` (then ``.``), ``T``, ``M``, the JSON.
+    EXPIRY_AT, TAG_AT, MAC_AT, BODY_AT = 3, 20, 53, 86
 
     def __init__(self, key_secret: str) -> None:
-        mac_key = hmac.digest(key_secret.encode("utf-8"), b"kvlease store record mac v1", "sha256")
-        # HMAC-SHA256 under ``mac_key`` (RFC 2104) from inner and outer states primed once: a renew
-        # seals and opens thousands of records, and a copy of a primed state costs less than a
-        # fresh HMAC (OpenSSL's one-shot HMAC sets a MAC context up each call). Same MACs as
+        secret = key_secret.encode("utf-8")
+        mac_key = hmac.digest(secret, b"kvlease store record mac v2", "sha256")
+        # HMAC-SHA256 under ``mac_key`` (RFC 2104) from inner and outer states primed once (a copy
+        # of a primed state costs less than OpenSSL's one-shot HMAC). Same MACs as
         # ``hmac.digest(mac_key, ..., "sha256")``.
         padded = mac_key.ljust(64, b"\x00")
         self._inner = hashlib.sha256(bytes(b ^ 0x36 for b in padded))
         self._outer = hashlib.sha256(bytes(b ^ 0x5C for b in padded))
-        #: Records that failed the MAC or did not parse (each read as absent).
+        tag_key = hmac.digest(secret, b"kvlease store expiry mac v2", "sha256")
+        self._tag = hashlib.blake2b(key=tag_key, digest_size=16)
+        #: Records that failed the body MAC or did not parse (each read as absent), and expiry parts
+        #: that failed the tag (each ignored).
         self.rejected = 0
 
-    def _mac(self, key: str, body: bytes) -> bytes:
+    def _mac(self, key: str, body: bytes) -> str:
         inner = self._inner.copy()
-        inner.update(key.encode("utf-8") + b"\x00")
+        inner.update(key.encode("utf-8", "surrogatepass") + b"\x00")
         inner.update(body)
         outer = self._outer.copy()
         outer.update(inner.digest())
-        return outer.digest()[:16].hex().encode()
+        return outer.digest()[:16].hex()
+
+    @staticmethod
+    def expiry_code(expires_at: float) -> str:
+        """``E`` of a lease end."""
+        return struct.pack(">d", expires_at).hex()
+
+    @staticmethod
+    def material(key: str, mac: str) -> bytes:
+        """What the expiry tag covers after ``E``: the key and the body MAC."""
+        return key.encode("utf-8", "surrogatepass") + mac.encode("ascii")
+
+    def tagger(self, code: str) -> hashlib.blake2b:
+        """A BLAKE2b state primed with ``E``: ``copy()``, ``update(material(key, mac))`` and
+        ``hexdigest()`` is ``T`` (a renew tags thousands of ids under one ``E``)."""
+        state = self._tag.copy()
+        state.update(code.encode("ascii"))
+        return state
+
+    def tag(self, code: str, key: str, mac: str) -> str:
+        state = self.tagger(code)
+        state.update(self.material(key, mac))
+        return state.hexdigest()
+
+    def seal_parts(self, key: str, record: ConversationRecord) -> tuple[str, str, bytes]:
+        """(``v2.E.T.M.``, ``M``, the JSON) of ``record`` under ``key``."""
+        body = record.dumps()
+        mac = self._mac(key, body)
+        code = self.expiry_code(record.expires_at)
+        return f"{self.PREFIX}{code}.{self.tag(code, key, mac)}.{mac}.", mac, body
 
     def seal(self, key: str, record: ConversationRecord) -> bytes:
-        body = record.dumps()
-        return self.PREFIX + self._mac(key, body) + b"." + body
+        head, _, body = self.seal_parts(key, record)
+        return head.encode("ascii") + body
+
+    def expiry(self, key: str, mac: str, part: str) -> float | None:
+        """The lease end in an expiry part ``E.T`` (``raw[3:52]`` of a value) of a record whose
+        body MAC ``mac`` is known good, or ``None`` when the part fails the tag (counted in
+        ``rejected``; the caller uses the JSON's lease end)."""
+        code = part[:16]
+        if len(part) == 49 and part[16] == "." and _same(part[17:], self.tag(code, key, mac)):
+            try:
+                return float(struct.unpack(">d", bytes.fromhex(code))[0])
+            except (ValueError, struct.error):  # pragma: no cover - the router wrote it
+                pass
+        self.rejected += 1
+        return None
+
+    def unseal(self, key: str, raw: str) -> tuple[ConversationRecord, str, float] | None:
+        """(the record with its lease end, ``M``, the JSON's lease end), or ``None`` when forged,
+        moved from another key or corrupt (counted in ``rejected``). ``raw``: the value as text
+        (bytes decoded with ``surrogateescape``, so they encode back exactly)."""
+        mac = raw[53:85]
+        try:
+            body = raw[86:].encode("utf-8", "surrogateescape")
+            good = (
+                raw[:3] == self.PREFIX
+                and raw[52:53] + raw[85:86] == ".."
+                and _same(mac, self._mac(key, body))
+            )
+        except UnicodeEncodeError:
+            good = False
+        if not good:
+            self.rejected += 1
+            return None
+        try:
+            record = ConversationRecord.loads(body)
+        except StoreError:  # a MAC-valid record a newer/older router wrote differently
+            self.rejected += 1
+            return None
+        sealed_at = record.expires_at
+        expires_at = self.expiry(key, mac, raw[3:52])
+        if expires_at is not None and expires_at != sealed_at:
+            record = record.with_expiry(expires_at)
+        return record, mac, sealed_at
 
     def open(self, key: str, raw: bytes | str | None) -> ConversationRecord | None:
         """The record, or ``None`` when absent, forged, moved from another key or corrupt."""
         if raw is None:
             return None
-        if isinstance(raw, str):
-            raw = raw.encode("utf-8", "surrogatepass")
-        head, mac, body = raw[:3], raw[3:35], raw[36:]
-        if head != self.PREFIX or raw[35:36] != b"." or not hmac.compare_digest(mac, self._mac(key, body)):
-            self.rejected += 1
-            return None
-        try:
-            return ConversationRecord.loads(body)
-        except StoreError:  # a MAC-valid record a newer/older router wrote differently
-            self.rejected += 1
-            return None
+        if isinstance(raw, bytes):
+            raw = raw.decode("utf-8", "surrogateescape")
+        opened = self.unseal(key, raw)
+        return None if opened is None else opened[0]
+
+
+def _same(a: str, b: str) -> bool:
+    """``hmac.compare_digest`` of two strings, ``False`` where one is not ASCII."""
+    try:
+        return hmac.compare_digest(a, b)
+    except TypeError:
+        return False
 
 
 class StateStore(Protocol):
