@@ -25,7 +25,12 @@ rounds of ``wrapped / raw - 1`` (paired), with the 25th-75th percentile of those
 spread; CPU time is the steadier figure of what the SDK adds. The machine's load average is
 recorded at start and end. Goal: <= 3 % for non-streaming and streaming calls.
 
-Run: ``python benchmarks/sdk_overhead.py [--quick]``; importable: ``run(quick) -> dict``.
+``--breakdown`` runs, instead, one client per public setting (the HTTP layer alone, no strip
+detector, no keeper thread) beside the raw and the default wrapped clients, to show where the added
+time goes.
+
+Run: ``python benchmarks/sdk_overhead.py [--quick] [--breakdown]``; importable: ``run(quick) -> dict``,
+``breakdown(rounds) -> dict``.
 """
 
 from __future__ import annotations
@@ -284,10 +289,90 @@ def print_table(res: dict[str, Any]) -> None:
         print(f"  workload {name}: {w}")
 
 
+#: ``--breakdown``: where a wrapped call's added time goes, one public setting at a time.
+BREAKDOWN = (
+    ("raw", "the raw openai client"),
+    ("raw_b", "a second raw client (A/A: the noise floor)"),
+    ("untracked", "kc.openai without a conversation id: kvlease's HTTP layer only"),
+    ("reasoning_off", "a conversation of kvlease.wrap(..., reasoning='off'): no strip detector"),
+    ("no_heartbeat", "a conversation of kvlease.wrap(..., heartbeat=False): no keeper thread"),
+    ("wrapped", "a conversation of the default kvlease.wrap(...)"),
+)
+
+
+def breakdown(rounds: int = 30) -> dict[str, Any]:
+    """Non-streaming chat calls of each :data:`BREAKDOWN` client, interleaved (the order rotates
+    every round); the median per call of each, and its difference to the raw client's."""
+    names = [name for name, _ in BREAKDOWN]
+    per_call: dict[str, list[float]] = {name: [] for name in names}
+    with fake_server_process("--content", CONTENT) as base_url:
+
+        def openai_client() -> OpenAI:
+            return OpenAI(base_url=base_url, api_key="k", max_retries=0)
+
+        raws = {"raw": openai_client(), "raw_b": openai_client()}
+        kcs = {
+            "wrapped": kvlease.wrap(openai_client()),
+            "reasoning_off": kvlease.wrap(openai_client(), reasoning="off"),
+            "no_heartbeat": kvlease.wrap(openai_client(), heartbeat=False),
+        }
+        untracked = kcs["wrapped"].openai
+
+        def one(name: str) -> float:
+            conv = kcs[name].conversation() if name in kcs else None
+            client: Any = conv if conv is not None else untracked if name == "untracked" else raws[name]
+            t0 = time.perf_counter()
+            _conversation(client, _question, stream=False)
+            wall = time.perf_counter() - t0
+            if conv is not None:
+                conv.close()
+            return wall / TURNS
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", kvlease.ReuseOffWarning)
+            for name in names * 3:  # warm-up
+                one(name)
+            for r in range(rounds):
+                k = r % len(names)
+                for name in names[k:] + names[:k]:
+                    per_call[name].append(one(name))
+        for c in kcs.values():
+            c.close()
+        for raw in raws.values():
+            raw.close()
+    base = statistics.median(per_call["raw"])
+    return {
+        "rounds": rounds,
+        "load_average_at_end": _load(),
+        "clients": {
+            name: {
+                "what": what,
+                "ms_per_call": round(statistics.median(per_call[name]) * 1e3, 4),
+                "added_us_per_call": round((statistics.median(per_call[name]) - base) * 1e6, 1),
+                "added_pct": round((statistics.median(per_call[name]) / base - 1) * 100, 2),
+            }
+            for name, what in BREAKDOWN
+        },
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
+    parser.add_argument(
+        "--breakdown", action="store_true", help="where the added time goes, one public setting at a time"
+    )
     args = parser.parse_args()
+    if args.breakdown:
+        res = breakdown(10 if args.quick else 30)
+        print(f"SDK overhead breakdown, non-streaming chat ({res['rounds']} rounds, {os.cpu_count()} CPUs)")
+        for name, c in res["clients"].items():
+            print(
+                f"  {name:14s} {c['ms_per_call']:.3f} ms/call  {c['added_pct']:+6.2f} % "
+                f"({c['added_us_per_call']:+.1f} us)  {c['what']}"
+            )
+        print(f"  load average at end {res['load_average_at_end']}")
+        return
     print_table(run(quick=args.quick))
 
 
