@@ -7,9 +7,10 @@ the caller's tenant exactly like chat turns: another tenant's id is simply unkno
 Bounded cost, whatever the caller sends:
 
 * at most :data:`~kvlease.protocol.RENEW_MAX_IDS` ids a request (the SDK keeper's batch size is the
-  same constant), keyed from one primed BLAKE2b state, read with one ``get_many`` (one Redis
-  script call, or one ``MGET``) and written back with one ``renew_many`` (in place in memory; one
-  Redis script call, or one pipeline) and, for leases gone, one ``put_many``;
+  same constant), keyed from one primed BLAKE2b state (or the keyer's bounded cache of the ids
+  found before), read with one ``get_many`` (one Redis script call, or one ``MGET``) and written
+  back with one ``renew_many`` (in place in memory; one Redis script call, or one pipeline) and,
+  for leases gone, one ``put_many``;
 * a per-tenant budget of ids a second (:class:`~kvlease_router._ratelimit.TenantBuckets`): past it
   ``429`` with ``Retry-After``;
 * a store error is ``503`` with ``Retry-After`` (the SDK retries), never ``200`` with every id
@@ -24,7 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from itertools import compress
 
 import aiohttp
 import orjson
@@ -110,11 +112,13 @@ async def handle_renew(request: web.Request, router: RouterRuntime) -> web.Respo
             ERROR_RATE_LIMITED,
             {HEADER_RETRY_AFTER: retry},
         )
-    keys = router.keyer.keys(tenant, ids)
+    keys, missed = router.keyer.lookup(tenant, ids)
     try:
         records = await router.store.get_many(keys)
     except StoreError as e:
         return _store_unavailable(router, e)
+    if missed:  # cache the keys of the ids that have state (a keeper renews them every period)
+        router.keyer.remember(tenant, _found(ids, keys, records, missed))
     settings = lease_settings(router, router.ttl)
     plan = plan_renew(ids, records, time.time(), settings)
     answers: dict[str, Mapping[str, float | None] | None] = {}
@@ -136,6 +140,16 @@ async def handle_renew(request: web.Request, router: RouterRuntime) -> web.Respo
         return _store_unavailable(router, e)
     body = RenewResponse(result.leases, settings.ttl).to_json()
     return web.Response(body=orjson.dumps(body), content_type=JSON_CT)
+
+
+def _found(
+    ids: list[str], keys: list[str], records: list[ConversationRecord | None], missed: Sequence[int]
+) -> list[tuple[str, str]]:
+    """``(id, key)`` of the ids of ``missed`` (indexes) that have a record, picked in C when all
+    missed (an attacker's renew: none has one). A record is always true (no ``__len__``)."""
+    if len(missed) == len(ids):
+        return list(compress(zip(ids, keys), records))
+    return [(ids[i], keys[i]) for i in missed if records[i] is not None]
 
 
 async def _write_back(

@@ -15,8 +15,9 @@ which D, if any, to release its lease on. None of them reads a clock, sleeps or 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 
 from kvlease_router._store import ConversationRecord
 
@@ -69,7 +70,8 @@ class RenewPlan:
     #: Each id's lease, in ``ids`` order: seconds left, or ``None`` (unknown). Ids to renew hold
     #: ``None`` until :func:`settle_renew` fills them in.
     leases: dict[str, float | None]
-    #: Per configured control endpoint, the indexes (into ``ids``) of the leases to renew there.
+    #: Per configured control endpoint, the indexes (into ``ids``, ascending; an index in one call
+    #: at most) of the leases to renew there.
     calls: dict[str, list[int]]
     #: Per control endpoint of ``calls``, D's lease ids to renew there (in the same order).
     lease_ids: dict[str, list[str]]
@@ -108,29 +110,36 @@ def plan_renew(
     calls: dict[str, list[int]] = {}
     lease_ids: dict[str, list[str]] = {}
     drops: list[int] = []
-    # a renew's records name a few D: resolve each (control, decode) pair once
+    # a renew's records name a few D: resolve each (control, decode) pair once, and keep the
+    # appends of its lists at hand
     last_url: object = ()
     last_decode: object = ()
     control: str | None = None
+    add_index: Callable[[int], None] = drops.append  # (set with ``control``, used only then)
+    no_call: list[str] = []
+    add_lease: Callable[[str], None] = no_call.append
     for i, rec in enumerate(records):
         if rec is None or rec.params is None or rec.expires_at <= now:
             continue
         if not kvlease:
             leases[ids[i]] = rec.expires_at - now  # stock vLLM: no renewal, remaining time only
             continue
-        if not rec.lease_id:
+        lease_id = rec.lease_id
+        if not lease_id:
             drops.append(i)
             continue
         url, decode = rec.control, rec.decode
         if url != last_url or decode != last_decode:
             last_url, last_decode, control = url, decode, resolve(url, decode)
+            if control is not None:
+                if control not in calls:
+                    calls[control], lease_ids[control] = [], []
+                add_index, add_lease = calls[control].append, lease_ids[control].append
         if control is None:  # a record naming a control URL not configured: nothing to renew
             drops.append(i)
-        elif control in calls:
-            calls[control].append(i)
-            lease_ids[control].append(rec.lease_id)
         else:
-            calls[control], lease_ids[control] = [i], [rec.lease_id]
+            add_index(i)
+            add_lease(lease_id)
     return RenewPlan(ids, records, now, leases, calls, lease_ids, drops)
 
 
@@ -154,7 +163,9 @@ def settle_renew(
         first = got[0]
         if first is not None and first > margin and got.count(first) == len(got):  # D renewed alike
             left = min(first - margin, ttl)
-            leases.update(dict.fromkeys(map(ids.__getitem__, indexes), left))
+            # (an id is in one call at most: a call of as many ids as the renew's holds them all)
+            renewed: Iterable[str] = ids if len(indexes) == len(ids) else map(ids.__getitem__, indexes)
+            leases.update(zip(renewed, repeat(left)))
             renewals.setdefault(left, []).extend(indexes)
             continue
         for i, d_left in zip(indexes, got):

@@ -171,18 +171,19 @@ class RenewResponse:
 
     def to_json(self) -> dict[str, Any]:
         # one object per distinct value, shared by every id that has it (serialized alike): a renew
-        # of 10,000 leases D renewed alike builds two objects, not 10,000
-        unknown = {"status": LEASE_UNKNOWN}
-        shared: dict[float, dict[str, float]] = {}
-
-        def known(exp: float) -> dict[str, float]:
-            item = shared[exp] = {"expires_in": round(exp, 3)}
-            return item
-
-        out = {
-            cid: unknown if exp is None else (shared.get(exp) or known(exp))
-            for cid, exp in self.leases.items()
+        # of 10,000 leases D renewed alike builds two objects, not 10,000. A set keeps the first of
+        # equal values (``0.0`` and ``-0.0``), so each id gets the object of the first value equal
+        # to its own; where all are alike (all renewed alike, all unknown) one ``fromkeys``.
+        leases = self.leases
+        values = set(leases.values())
+        shared: dict[float | None, dict[str, Any]] = {
+            exp: {"expires_in": round(exp, 3)} for exp in values if exp is not None
         }
+        shared[None] = {"status": LEASE_UNKNOWN}
+        if len(values) == 1:
+            out = dict.fromkeys(leases, shared[values.pop()])
+        else:
+            out = {cid: shared[exp] for cid, exp in leases.items()}
         body: dict[str, Any] = {"leases": out}
         if self.ttl is not None:
             body["ttl"] = self.ttl
