@@ -49,6 +49,8 @@ def _sdk(r: R) -> list[Row]:
         )
         measured += f"; p25..p75 {spread[0]:+.2f} .. {spread[1]:+.2f} %" if spread else ""
         measured += f"; client CPU {cpu:+.2f} %" if cpu is not None else ""
+        aa = m.get("aa_pct")
+        measured += f"; A/A {aa:+.2f} %" if aa is not None else ""
         rows.append(
             (
                 f"SDK overhead per call, {mode.replace('_', '-')}",

@@ -166,3 +166,22 @@ def test_gpu_pull_and_fragmentation_sections(report: Any) -> None:
     assert at_24k[1] == "<= 3x coalesced, <= ~20 ms" and "coalesced 8.6 ms" in at_24k[2]
     assert "per-block 635.9 ms" in at_24k[2] and at_24k[3].endswith("(met)")
     assert "descriptors per pull, mean over 3 pulls" in md and "<= +Inf: 3" in md
+
+
+def test_sdk_rows_show_the_a_a_noise_floor(report: Any) -> None:
+    """The SDK overhead row gives the A/A arm beside the overhead (two identical raw clients: how far
+    the figure can move by noise alone); results stored before the A/A arm render without it."""
+    mode = {
+        "raw_ms_per_call": 4.3,
+        "wrapped_ms_per_call": 4.52,
+        "added_us_per_call": 220.0,
+        "overhead_pct": 5.11,
+        "overhead_pct_p25_p75": [4.43, 6.86],
+        "client_cpu_overhead_pct": 5.81,
+        "aa_pct": 0.28,
+    }
+    old = {k: v for k, v in mode.items() if k != "aa_pct"}
+    md = report.render_markdown({"sdk": _entry("sdk", {"non_streaming": mode, "streaming": old})})
+    rows = {r[0]: r[3] for r in _rows(md) if r[0].startswith("SDK overhead")}
+    assert rows["SDK overhead per call, non-streaming"].endswith("client CPU +5.81 %; A/A +0.28 %) (missed)")
+    assert "A/A" not in rows["SDK overhead per call, streaming"]
