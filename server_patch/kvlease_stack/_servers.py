@@ -15,7 +15,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -51,20 +50,13 @@ from kvlease_stack._config import (
 )
 from kvlease_stack._model import ensure_model
 from kvlease_stack._paths import kvlease_home, logs_dir
+from kvlease_stack._ports import HOST, free_port
 from kvlease_stack._proc import child_setup
 from kvlease_stack._venv import Progress, _stderr_progress, ensure_venv, site_packages
-
-HOST = "127.0.0.1"
 
 
 class StackError(RuntimeError):
     """A server of the stack failed to start, died, or did not answer in time."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
 
 
 def http_json(

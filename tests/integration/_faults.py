@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +25,7 @@ from typing import Any
 
 from kvlease.protocol import CACHE_SALT, CONTROL_SECRET_ENV, ReuseStatus
 from kvlease_stack import Stack
+from kvlease_stack._ports import free_port
 from kvlease_stack.testing._redis import kill_process_group
 
 #: Generous, bounded waits: the machine's CPU is shared by several P/D pairs.
@@ -51,12 +51,6 @@ FOLLOW_UPS = [
     "Return the records as a generator instead of a list.",
     "Explain the design in three sentences.",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class RouterProc:

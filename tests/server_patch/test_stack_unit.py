@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
 from pathlib import Path
 
 import pytest
@@ -536,3 +537,18 @@ def test_server_args_reach_both_servers_before_decode_args() -> None:
     p = server_command("/py", spec, "prefill", model_dir="/m", port=2, kv_config={})
     assert p[-1] == "--enable-lora"
     assert d[-3:] == ["--enable-lora", "--num-gpu-blocks-override", "48"]
+
+
+def test_free_ports_lie_outside_the_ephemeral_range() -> None:
+    """A port chosen for a server to bind later is one no outgoing connection can take as its
+    source port meanwhile (vLLM's side channel failed with "Address already in use" when a busy
+    machine's clients took a ``bind(0)`` port), and is never handed out twice."""
+    from kvlease_stack._ports import _ephemeral_range, free_port
+
+    lo, hi = _ephemeral_range()
+    ports = [free_port() for _ in range(40)]
+    assert len(set(ports)) == len(ports)
+    assert all(not lo <= p <= hi for p in ports)
+    for p in ports[:5]:  # free now: a server can bind it
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))

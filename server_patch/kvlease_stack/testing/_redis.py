@@ -11,6 +11,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvlease_stack._ports import free_port
+
 __all__ = ["RedisServer", "kill_process_group"]
 
 
@@ -43,12 +45,6 @@ def kill_process_group(
         time.sleep(0.05)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class RedisServer:
     """``RedisServer.start()``; ``.url``; ``.kill()`` (SIGKILL, like a crash); ``.restart()``; ``.stop()``."""
 
@@ -65,7 +61,7 @@ class RedisServer:
         binary = shutil.which("redis-server")
         if binary is None:
             raise FileNotFoundError("redis-server is not installed (apt-get install redis-server)")
-        server = cls(binary, _free_port(), Path(tempfile.mkdtemp(prefix="kvlease-redis-")))
+        server = cls(binary, free_port(), Path(tempfile.mkdtemp(prefix="kvlease-redis-")))
         server.restart(timeout)
         return server
 
