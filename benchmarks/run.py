@@ -38,6 +38,12 @@ BENCHMARKS: dict[str, tuple[str, str, bool]] = {
         "Soak: 2 rounds of 1,000 conversations x 5 turns with mid-stream hang-ups (fake P/D)",
         False,
     ),
+    "hostile": (
+        "hostile_load",
+        "Hostile load: a legit tenant's turn latency and reuse under renew floods, slow clients, "
+        "stalled streams and garbage (fake P/D, Redis state)",
+        False,
+    ),
     "analyze": ("analyze_throughput", "Analyzer throughput and memory on a generated log", False),
     "plan": (
         "plan_speed",
