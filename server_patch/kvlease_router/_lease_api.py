@@ -11,8 +11,10 @@ Bounded cost, whatever the caller sends:
   found before), read with one ``get_many`` (one Redis script call, or one ``MGET``) and written
   back with one ``renew_many`` (in place in memory; one Redis script call, or one pipeline) and,
   for leases gone, one ``put_many``;
-* a per-tenant budget of ids a second (:class:`~kvlease_router._ratelimit.TenantBuckets`): past it
-  ``429`` with ``Retry-After``;
+* renew budgets of ids a second (:class:`~kvlease_router._ratelimit.TenantBuckets`) per tenant,
+  per client address and for the whole router (made-up bearer tokens are new tenants, not a new
+  budget each): past any ``429`` with ``Retry-After``, before the body is read when a budget cannot
+  pay the fixed request cost (spent, or in debt: a refused renew still charges its ids);
 * a store error is ``503`` with ``Retry-After`` (the SDK retries), never ``200`` with every id
   ``unknown``: ``unknown`` means only that the lease is really gone;
 * a control URL from a stored record is only a key into the configured decode control endpoints: a
@@ -92,7 +94,37 @@ async def _renew_on(
         return None
 
 
+def _budgets(router: RouterRuntime, tenant: str, ip: str) -> list[tuple[TenantBuckets, str]]:
+    return [(router.renew_budget, tenant), (router.renew_ip_budget, ip), (router.renew_global_budget, "")]
+
+
+def _rate_limited(wait: float) -> web.Response:
+    return error_response(
+        429,
+        "renew budget spent; retry later",
+        ERROR_RATE_LIMITED,
+        {HEADER_RETRY_AFTER: TenantBuckets.retry_after(wait)},
+    )
+
+
+def _peer(request: web.Request) -> str:
+    """The client address: the socket peer (the router has no trusted-proxy setting)."""
+    transport = request.transport
+    peer = transport.get_extra_info("peername") if transport is not None else None
+    return str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+
+
 async def handle_renew(request: web.Request, router: RouterRuntime) -> web.Response:
+    # Before the body is read or parsed: a tenant, address or the whole router that cannot pay the
+    # fixed request cost (spent, or in debt from an earlier renew) costs a 429 and no more.
+    tenant = tenant_from(request.headers, router.settings.tenant_header)
+    budgets = _budgets(router, tenant, _peer(request))
+    now = time.monotonic()
+    wait = max(b.peek(k, RENEW_REQUEST_COST, now) for b, k in budgets)
+    if wait > 0:
+        return _rate_limited(wait)
+    for b, k in budgets:
+        b.charge(k, RENEW_REQUEST_COST, now)
     try:
         req = RenewRequest.from_json(orjson.loads(await request.read()))
     except web.HTTPRequestEntityTooLarge:
@@ -101,17 +133,15 @@ async def handle_renew(request: web.Request, router: RouterRuntime) -> web.Respo
         return error_response(400, f"request body is not valid JSON: {e}")
     except ProtocolError as e:
         return error_response(400, str(e))
-    tenant = tenant_from(request.headers, router.settings.tenant_header)
     ids = list(dict.fromkeys(req.conversation_ids))
-    wait = router.renew_budget.take(tenant, len(ids) + RENEW_REQUEST_COST, time.monotonic())
+    # the ids are charged whether or not they are served: a refused renew leaves its budgets in
+    # debt, so the next ones are refused before their bodies are read until it is paid back
+    now = time.monotonic()
+    wait = max(b.peek(k, len(ids), now) for b, k in budgets)
+    for b, k in budgets:
+        b.charge(k, len(ids), now)
     if wait > 0:
-        retry = TenantBuckets.retry_after(wait)
-        return error_response(
-            429,
-            "renew budget of this tenant spent; retry later",
-            ERROR_RATE_LIMITED,
-            {HEADER_RETRY_AFTER: retry},
-        )
+        return _rate_limited(wait)
     keys, missed = router.keyer.lookup(tenant, ids)
     try:
         records = await router.store.get_many(keys)

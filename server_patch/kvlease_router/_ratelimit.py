@@ -41,6 +41,25 @@ class TenantBuckets:
             self._buckets.popitem(last=False)
         return wait
 
+    def peek(self, tenant: str, cost: float, now: float) -> float:
+        """The seconds until ``tenant``'s bucket could pay ``cost`` (0.0: now); spends nothing and
+        keeps no new bucket (an unseen tenant has a full one)."""
+        got = self._buckets.get(tenant)
+        if got is None:
+            return 0.0
+        tokens = min(self.burst, got[0] + max(0.0, now - got[1]) * self.rate)
+        need = min(cost, self.burst)
+        return 0.0 if tokens >= need else (need - tokens) / self.rate
+
+    def charge(self, tenant: str, cost: float, now: float) -> None:
+        """Spend ``cost`` tokens of ``tenant``'s bucket whatever it holds: a bucket may go into debt
+        (at most ``burst`` of it), paid back at ``rate`` before it lets anything through again."""
+        tokens, at = self._buckets.pop(tenant, (self.burst, now))
+        tokens = min(self.burst, tokens + max(0.0, now - at) * self.rate)
+        self._buckets[tenant] = (max(-self.burst, tokens - min(cost, self.burst)), now)
+        while len(self._buckets) > self._max:
+            self._buckets.popitem(last=False)
+
     @staticmethod
     def retry_after(wait: float) -> str:
         """A ``Retry-After`` header value (whole seconds, at least 1) for ``wait`` seconds."""

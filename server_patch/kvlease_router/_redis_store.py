@@ -6,10 +6,12 @@ pool: past ``max_connections`` a call waits (at most the store timeout) for a fr
 instead of failing, and a renew of thousands of ids costs one read and one write on one connection
 (a script call each, see ``_GET_MANY_LUA``; ``MGET`` and a pipeline where scripts are refused).
 
-Every failure becomes :class:`StoreError`, and after one the store answers ``StoreError`` at once
-for ``backoff`` seconds, so a dead Redis costs turns nothing but their reuse (no per-turn connect
-timeouts). A busy pool (no free connection within the timeout) fails that one call only: load is
-not an outage, and one client's burst must not switch reuse off for every tenant.
+Every failure becomes :class:`StoreError`. After a connection error (refused, reset, closed), or
+``failures_before_backoff`` (3) other failures in a row (timeouts: a hung Redis), the store answers
+``StoreError`` at once for ``backoff`` seconds, so a dead or hung Redis costs turns nothing but
+their reuse (no per-turn timeouts), while one slow call under load fails that call only. A busy
+pool (no free connection within the timeout) fails that one call only too: load is not an
+outage, and one client's burst must not switch reuse off for every tenant.
 
 What Redis holds is untrusted (anyone who can write it could plant records): every record is
 sealed by :class:`~kvlease_router._store.RecordSeal` under a key derived from the router's key
@@ -152,6 +154,15 @@ def _pool_busy(e: BaseException) -> bool:
     return type(e).__name__ == "ConnectionError" and "No connection available" in str(e)
 
 
+def _outage(e: BaseException) -> bool:
+    """A connection error (refused, reset, closed: Redis is down), not a timeout or a busy pool."""
+    if isinstance(e, (asyncio.TimeoutError, TimeoutError)) or "Timeout" in type(e).__name__:
+        return False
+    if isinstance(e, (ConnectionError, EOFError)):
+        return True
+    return type(e).__name__ == "ConnectionError" and not _pool_busy(e)
+
+
 class RedisStore:
     name = "redis"
 
@@ -163,6 +174,7 @@ class RedisStore:
         timeout: float = 0.25,
         backoff: float = 1.0,
         prefix: str = KEY_PREFIX,
+        failures_before_backoff: int = 3,
     ) -> None:
         """``secret``: the router's key secret (a record MAC key is derived from it)."""
         self._client = client
@@ -171,6 +183,8 @@ class RedisStore:
         self._backoff = backoff
         self._prefix = prefix
         self._down_until = 0.0
+        self._failures_before_backoff = max(1, failures_before_backoff)
+        self._failures = 0  # failures in a row that were not connection errors
         self._scripts: tuple[Any, Any] | None = None
         self._scripts_ok = True
         #: key -> memo entry (see ``_Memo``), oldest first.
@@ -239,13 +253,23 @@ class RedisStore:
             coro.close()
             raise StoreError("redis is unavailable (backing off)")
         try:
-            return await asyncio.wait_for(coro, self._timeout)
+            got = await asyncio.wait_for(coro, self._timeout)
         except StoreError:
             raise
         except (Exception, asyncio.TimeoutError) as e:
-            if not _pool_busy(e):
-                self._down_until = time.monotonic() + self._backoff
+            if _outage(e):  # refused, reset, closed: down now
+                self._back_off()
+            elif not _pool_busy(e):  # a timeout: an outage only when it keeps on (a hung Redis)
+                self._failures += 1
+                if self._failures >= self._failures_before_backoff:
+                    self._back_off()
             raise StoreError(f"redis: {type(e).__name__}: {e}") from e
+        self._failures = 0
+        return got
+
+    def _back_off(self) -> None:
+        self._failures = 0
+        self._down_until = time.monotonic() + self._backoff
 
     def _script(self, i: int) -> Any:
         if self._scripts is None:

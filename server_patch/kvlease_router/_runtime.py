@@ -88,6 +88,8 @@ class RouterRuntime:
         self.control_urls = frozenset(n.control for n in s.decode if n.control)
         self._control_of_decode = {n.url: n.control for n in s.decode if n.control}
         self.renew_budget = TenantBuckets(s.renew_ids_per_s, s.renew_burst_ids)
+        self.renew_ip_budget = TenantBuckets(s.renew_ip_ids_per_s, s.renew_ip_burst_ids)
+        self.renew_global_budget = TenantBuckets(s.renew_global_ids_per_s, s.renew_global_burst_ids, 1)
         # built once: an upstream call's timeouts are the same for every turn
         # (prefill: sock_connect bounds opening a connection; waiting for a free pooled one
         # counts against total)

@@ -83,6 +83,9 @@ class RouterSettings:
     store_timeout: float = 0.25
     #: After a store error, skip the store for this long (turns go on as misses meanwhile).
     store_backoff: float = 1.0
+    #: Consecutive store timeouts before the back-off (a connection error backs off at once): one
+    #: slow call under load is not an outage.
+    store_failures_before_backoff: int = 3
     #: Redis connections per router process (a blocking pool: past it a call waits, up to
     #: ``store_timeout``, for a free one).
     store_connections: int = 32
@@ -90,6 +93,17 @@ class RouterSettings:
     #: ids plus a fixed 100); past it the lease API answers 429 with ``Retry-After``.
     renew_ids_per_s: float = 2000.0
     renew_burst_ids: int = 20_000
+    #: The same, per client address (the socket peer) and for all tenants together: made-up bearer
+    #: tokens (a new tenant each) do not get a fresh burst each. The global default is sized from
+    #: legit keepers: one sends at most ``RENEW_MAX_IDS`` (10,000) ids a renew period, about 60 %
+    #: of the TTL (~285 s at the default 475 s), ~35 ids/s, so 20,000 ids/s is ~570 full keepers.
+    renew_ip_ids_per_s: float = 5000.0
+    renew_ip_burst_ids: int = 50_000
+    renew_global_ids_per_s: float = 20_000.0
+    renew_global_burst_ids: int = 200_000
+    #: ``SO_SNDBUF`` of client connections (bytes; 0: the kernel's, which may absorb a whole
+    #: answer, so a client that stops reading is never noticed by ``stream_write_timeout``).
+    client_send_buffer: int = 256 * 1024
     #: Active health probe period; an unreachable node is avoided for ``unhealthy_for`` seconds.
     health_interval: float = 5.0
     unhealthy_for: float = 5.0
@@ -136,6 +150,16 @@ class RouterSettings:
             raise ConfigError("store_connections must be at least 1")
         if self.renew_ids_per_s <= 0 or self.renew_burst_ids < 1:
             raise ConfigError("renew_ids_per_s must be positive and renew_burst_ids at least 1")
+        for rate, burst in (
+            ("renew_ip_ids_per_s", "renew_ip_burst_ids"),
+            ("renew_global_ids_per_s", "renew_global_burst_ids"),
+        ):
+            if getattr(self, rate) <= 0 or getattr(self, burst) < 1:
+                raise ConfigError(f"{rate} must be positive and {burst} at least 1")
+        if self.client_send_buffer < 0:
+            raise ConfigError("client_send_buffer must not be negative (0: the kernel's)")
+        if self.store_failures_before_backoff < 1:
+            raise ConfigError("store_failures_before_backoff must be at least 1")
         if self.memory_max_entries < 1:
             raise ConfigError("memory_max_entries must be at least 1")
         if self.state is not None and not self.state.startswith(("redis://", "rediss://", "unix://")):

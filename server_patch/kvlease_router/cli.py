@@ -96,6 +96,7 @@ async def serve(settings: RouterSettings, key_secret_given: bool = True) -> None
             secret=settings.key_secret,
             timeout=settings.store_timeout,
             backoff=settings.store_backoff,
+            failures_before_backoff=settings.store_failures_before_backoff,
         )
     else:
         store = MemoryStore(settings.memory_max_entries)
@@ -182,6 +183,15 @@ def app(
     max_sse_event_bytes: int | None = typer.Option(
         None, "--max-sse-event-bytes", help="Cap on one pending SSE event from D (8 MiB)."
     ),
+    renew_ip_ids_per_s: float | None = typer.Option(
+        None, "--renew-ip-ids-per-s", help="Renew budget per client address (ids/s; 5000)."
+    ),
+    renew_global_ids_per_s: float | None = typer.Option(
+        None, "--renew-global-ids-per-s", help="Renew budget of all tenants together (ids/s; 20000)."
+    ),
+    client_send_buffer: int | None = typer.Option(
+        None, "--client-send-buffer", help="SO_SNDBUF of client connections (256 KiB; 0: kernel's)."
+    ),
     log_level: str = typer.Option("info", "--log-level"),
     log_json: bool = typer.Option(True, "--log-json/--log-text"),
 ) -> None:
@@ -217,6 +227,9 @@ def app(
             ("max_connections_per_ip", max_connections_per_ip),
             ("max_upstream_bytes", max_upstream_bytes),
             ("max_sse_event_bytes", max_sse_event_bytes),
+            ("renew_ip_ids_per_s", renew_ip_ids_per_s),
+            ("renew_global_ids_per_s", renew_global_ids_per_s),
+            ("client_send_buffer", client_send_buffer),
         ):
             if value is not None:
                 kwargs[name] = value
