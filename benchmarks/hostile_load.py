@@ -57,18 +57,21 @@ import json
 import math
 import os
 import secrets
-import select
 import signal
 import subprocess
 import sys
 import time
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
 from _hostile_attacks import ATTACKS, _attack
+from _procs import Proc as _Proc
+from _procs import busy_seconds as _busy_seconds
+from _procs import cpu_seconds as _cpu_seconds
+from _procs import readline as _readline
+from _procs import stop_group as _stop_group
 
 from kvlease.protocol import (
     CHAT_COMPLETIONS_PATH,
@@ -92,62 +95,6 @@ STALL_TOKEN_DELAY = 0.005
 
 
 # ---- processes ------------------------------------------------------------------------------------
-
-
-def _readline(p: subprocess.Popen[str], timeout: float) -> str:
-    """One line of ``p``'s stdout within ``timeout`` seconds ('' if none)."""
-    assert p.stdout is not None
-    r, _, _ = select.select([p.stdout], [], [], timeout)
-    return p.stdout.readline() if r else ""
-
-
-class _Proc:
-    def __init__(self, args: list[str], timeout: float = 120.0) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.p = subprocess.Popen(
-            args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, process_group=0, env=env
-        )
-        line = _readline(self.p, timeout)
-        if not line:
-            self.stop()
-            raise RuntimeError(f"{args[:3]} did not report its address within {timeout} s")
-        self.info: dict[str, Any] = json.loads(line)
-
-    @property
-    def pid(self) -> int:
-        return self.p.pid
-
-    def stop(self) -> None:
-        _stop_group(self.p)
-
-
-def _stop_group(p: subprocess.Popen[Any]) -> None:
-    if p.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(p.pid, signal.SIGTERM)
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait(10)
-
-
-def _cpu_seconds(pid: int) -> float | None:
-    """utime + stime of a process (Linux ``/proc``), or ``None`` where unavailable."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _busy_seconds() -> float | None:
-    try:
-        v = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    except (OSError, ValueError):
-        return None
-    return (v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / os.sysconf("SC_CLK_TCK")
 
 
 class _CpuWindow:

@@ -41,18 +41,18 @@ import asyncio
 import json
 import math
 import os
-import signal
 import socket
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
+from _procs import Proc as _Proc
+from _procs import busy_seconds as _busy_seconds
+from _procs import cpu_seconds as _cpu_seconds
 
 SECRET = "bench-secret"
 MAX_TOKENS = 16
@@ -118,31 +118,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-class _Proc:
-    def __init__(self, args: list[str], wait_line: bool = True) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.p = subprocess.Popen(
-            args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, process_group=0, env=env
-        )
-        self.info: dict[str, Any] = {}
-        if wait_line:
-            assert self.p.stdout is not None
-            line = self.p.stdout.readline()
-            if not line:
-                self.stop()
-                raise RuntimeError(f"{args[:3]} exited before reporting its address")
-            self.info = json.loads(line)
-
-    def stop(self) -> None:
-        if self.p.poll() is None:
-            os.killpg(self.p.pid, signal.SIGTERM)
-            try:
-                self.p.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.p.pid, signal.SIGKILL)
-                self.p.wait(10)
 
 
 async def _wait_http(url: str, timeout: float = 30.0) -> None:
@@ -310,25 +285,6 @@ def _added(router: list[float], other: list[float], blocks: int = 5) -> dict[str
     out["diff_of_p50s_ms"] = _ms(_q(ro, 0.5) - _q(oo, 0.5))
     out["diff_of_p99s_ms"] = _ms(_q(ro, 0.99) - _q(oo, 0.99))
     return out
-
-
-def _cpu_seconds(pid: int) -> float | None:
-    """utime + stime of a process (Linux ``/proc``), or ``None`` where unavailable."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _busy_seconds() -> float | None:
-    """CPU seconds the whole machine has been busy (``/proc/stat``: user, nice, system, irq,
-    softirq, steal), or ``None`` where unavailable."""
-    try:
-        v = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    except (OSError, ValueError):
-        return None
-    return (v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / os.sysconf("SC_CLK_TCK")
 
 
 class _OtherLoad:

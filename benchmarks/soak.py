@@ -29,8 +29,6 @@ import asyncio
 import json
 import os
 import random
-import signal
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -39,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from _procs import Proc as _Proc
 
 from kvlease.protocol import CHAT_COMPLETIONS_PATH, HEADER_CONVERSATION_ID, HEADER_STATUS, METRICS_PATH
 from kvlease_stack.testing import render_chat
@@ -62,33 +61,6 @@ def expected_reply(messages: list[dict[str, str]]) -> str:
 
 
 # ---- processes ------------------------------------------------------------------------------------
-
-
-class _Proc:
-    def __init__(self, args: list[str]) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.p = subprocess.Popen(
-            args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, process_group=0, env=env
-        )
-        assert self.p.stdout is not None
-        line = self.p.stdout.readline()
-        if not line:
-            self.stop()
-            raise RuntimeError(f"{args[:3]} exited before reporting its address")
-        self.info: dict[str, Any] = json.loads(line)
-
-    @property
-    def pid(self) -> int:
-        return self.p.pid
-
-    def stop(self) -> None:
-        if self.p.poll() is None:
-            os.killpg(self.p.pid, signal.SIGTERM)
-            try:
-                self.p.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.p.pid, signal.SIGKILL)
-                self.p.wait(10)
 
 
 def rss_mib(pid: int) -> float:
