@@ -11,8 +11,9 @@ from types import ModuleType
 import pytest
 
 
-def _soak_module() -> ModuleType:
+def _soak_module(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
+    monkeypatch.syspath_prepend(str(path.parent))  # its helper modules (_procs)
     spec = importlib.util.spec_from_file_location("kvlease_bench_soak", path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
@@ -22,8 +23,8 @@ def _soak_module() -> ModuleType:
 
 
 @pytest.mark.slow
-def test_small_soak_loses_nothing_and_leaks_nothing() -> None:
-    soak = _soak_module()
+def test_small_soak_loses_nothing_and_leaks_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    soak = _soak_module(monkeypatch)
     res = soak.run_soak(100, 5, p_drop=0.1, seed=7, rounds=1)
     assert res["failures"] == [], res
     assert res["turns_completed"] == 500 and res["conversations_incomplete"] == 0
