@@ -18,6 +18,8 @@ are in the turn's IO (``_flow``, ``_relay``), where the body is read and the str
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 import sys
 from collections import Counter
 from typing import Any
@@ -32,7 +34,15 @@ else:  # pragma: no cover - Python 3.10: aiohttp depends on async-timeout there
     from async_timeout import timeout
 from kvlease_router._settings import RouterSettings
 
-__all__ = ["GUARD_KEY", "ConnectionGuard", "guard_middleware", "start_site", "stop_site", "timeout"]
+__all__ = [
+    "GUARD_KEY",
+    "ConnectionGuard",
+    "bound_send_buffer",
+    "guard_middleware",
+    "start_site",
+    "stop_site",
+    "timeout",
+]
 
 _HEAD_END = b"\r\n\r\n"
 
@@ -43,6 +53,7 @@ class ConnectionGuard:
     def __init__(self, settings: RouterSettings) -> None:
         self.max_per_ip = settings.max_connections_per_ip
         self.header_timeout = settings.header_timeout
+        self.send_buffer = settings.client_send_buffer
         self.open: Counter[str] = Counter()
         self.refused = 0
         self.head_timeouts = 0
@@ -56,6 +67,18 @@ class ConnectionGuard:
 
 
 GUARD_KEY: web.AppKey[ConnectionGuard] = web.AppKey("kvlease_guard", ConnectionGuard)
+
+
+def bound_send_buffer(transport: asyncio.BaseTransport | None, size: int) -> None:
+    """Bound the kernel's send buffer of a client connection (``SO_SNDBUF``, once, when it is
+    accepted): else it may take a whole answer (``tcp_wmem`` up to 4 MiB), the router's writes to a
+    client that stopped reading never wait, and ``stream_write_timeout`` never starts (the D stream
+    is held for minutes)."""
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
 
 
 class _Guarded(asyncio.Protocol):
@@ -80,6 +103,8 @@ class _Guarded(asyncio.Protocol):
             transport.abort()  # type: ignore[attr-defined]  # a TCP transport
             return
         g.open[ip] += 1
+        if g.send_buffer:
+            bound_send_buffer(transport, g.send_buffer)
         self._ip = ip
         self._transport = transport  # type: ignore[assignment]
         g._by_handler[id(self._inner)] = self

@@ -101,6 +101,9 @@ def tenant_from(headers: Mapping[str, str], tenant_header: str | None) -> str:
     return ANONYMOUS_TENANT
 
 
+#: Tenants whose tag :meth:`Keyer.tenant_tag` remembers (a pure function of secret and tenant).
+_TAGS_MAX = 4096
+
 #: Label of the state-key subkey (:class:`Keyer`); "v2": BLAKE2b keys (v1 was HMAC-SHA256).
 _STATE_KEY_LABEL = b"kvlease router state key v2"
 
@@ -123,7 +126,7 @@ class Keyer:
     a renew answers ``unknown``); mixed-version replicas do not share state.
     """
 
-    __slots__ = ("_cache", "_cache_max", "_cached", "_key", "_secret")
+    __slots__ = ("_cache", "_cache_max", "_cached", "_key", "_secret", "_tags")
 
     #: Default bound of the key cache (:meth:`remember`), in entries over all tenants: five full
     #: renews' worth, under 20 MB (ids of up to 128 characters). The cache is this process's
@@ -138,6 +141,8 @@ class Keyer:
         self._cache: dict[str, dict[str, str]] = {}
         self._cache_max = max(0, cache_max)
         self._cached = 0
+        #: tenant -> its tag (every kvlease-mode turn sends one): at most :data:`_TAGS_MAX`.
+        self._tags: dict[str, str] = {}
 
     def key(self, tenant: str, conversation_id: str) -> str:
         msg = tenant.encode("utf-8", "surrogatepass") + b"\x00" + conversation_id.encode("ascii")
@@ -204,8 +209,14 @@ class Keyer:
     def tenant_tag(self, tenant: str) -> str:
         """An opaque tag of a tenant for the decode nodes' retention quota (reveals nothing): sent
         with P's and D's requests in kvlease mode (D tags each lease at creation) and with renews."""
-        msg = b"tenant_tag\x00" + tenant.encode("utf-8", "surrogatepass")
-        return hmac.digest(self._secret, msg, "sha256").hex()[:24]
+        tag = self._tags.get(tenant)
+        if tag is None:
+            msg = b"tenant_tag\x00" + tenant.encode("utf-8", "surrogatepass")
+            tag = hmac.digest(self._secret, msg, "sha256").hex()[:24]
+            if len(self._tags) >= _TAGS_MAX:  # made-up tokens cannot grow it: cleared whole
+                self._tags.clear()
+            self._tags[tenant] = tag
+        return tag
 
     def cache_salt(self, tenant: str, client_salt: str = "") -> str:
         """vLLM ``cache_salt`` of a tenant (and the client's own salt): prefix-cache entries and

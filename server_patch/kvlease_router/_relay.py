@@ -11,8 +11,6 @@ separator once), and a stuck client write is bounded by ``stream_write_timeout``
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import socket
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -173,17 +171,6 @@ class _EventStream(web.StreamResponse):
     _send_headers_immediately = False
 
 
-def bound_send_buffer(transport: asyncio.BaseTransport | None, size: int) -> None:
-    """Bound the kernel's send buffer of a client connection (``SO_SNDBUF``): else it may take a
-    whole answer (``tcp_wmem`` up to 4 MiB), the router's writes to a client that stopped reading
-    never wait, and ``stream_write_timeout`` never starts (the D stream is held for minutes)."""
-    sock = transport.get_extra_info("socket") if transport is not None else None
-    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
-        return
-    with contextlib.suppress(OSError):
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
-
-
 class _StuckClient(Exception):
     pass
 
@@ -200,9 +187,7 @@ async def relay_stream(
     resp = _EventStream(status=200, headers=turn.response_headers(router))
     resp.headers["Content-Type"] = "text/event-stream"
     resp.headers["Cache-Control"] = "no-cache"
-    transport = request.transport
-    if s.client_send_buffer:
-        bound_send_buffer(transport, s.client_send_buffer)
+    transport = request.transport  # its send buffer is bounded (``_guard``): a stuck reader waits
     await resp.prepare(request)
     write_timeout, event_cap = s.stream_write_timeout, s.max_sse_event_bytes
 

@@ -218,3 +218,18 @@ def test_found_picks_the_ids_with_a_record() -> None:
     assert _found(ids, keys, records, range(3)) == [("b", "kb")]
     assert _found(ids, keys, records, [0, 1]) == [("b", "kb")]
     assert _found(ids, keys, [_rec(0), _rec(1), None], [0, 2]) == [("a", "ka")]
+
+
+def test_tenant_tags_are_remembered_within_a_bound() -> None:
+    """Every kvlease-mode turn sends its tenant's tag: it is computed once per tenant, equals a
+    fresh keyer's, and made-up tokens cannot grow the memory past the bound (cleared whole)."""
+    from kvlease_router import _identity
+
+    keyer, fresh = Keyer("s3cret"), Keyer("s3cret")
+    tags = {t: keyer.tenant_tag(t) for t in ("t:a", "t:b", "anonymous")}
+    assert tags == {t: fresh.tenant_tag(t) for t in tags} and len(set(tags.values())) == 3
+    assert keyer.tenant_tag("t:a") == tags["t:a"] != Keyer("other").tenant_tag("t:a")
+    for i in range(_identity._TAGS_MAX + 10):
+        keyer.tenant_tag(f"t:made-up-{i}")
+    assert len(keyer._tags) <= _identity._TAGS_MAX
+    assert keyer.tenant_tag("t:b") == tags["t:b"]
