@@ -46,6 +46,8 @@ CONTROL = "http://127.0.0.1:9"  # never contacted: the control client is a stub
 class _Request:
     """What ``handle_renew`` reads of an aiohttp request."""
 
+    transport = None  # no socket: the client address reads as unknown
+
     def __init__(self, body: bytes, headers: Mapping[str, str]) -> None:
         self._body, self.headers = body, headers
 
@@ -64,8 +66,12 @@ def _router(store: Any = None) -> RouterRuntime:
         decode=(NodeSpec("http://127.0.0.1:2", CONTROL),),
         control_secret="bench",
         key_secret="bench-key",
-        renew_ids_per_s=1e12,  # the budget is not what is measured
+        renew_ids_per_s=1e12,  # the budgets are not what is measured
         renew_burst_ids=10**12,
+        renew_ip_ids_per_s=1e12,
+        renew_ip_burst_ids=10**12,
+        renew_global_ids_per_s=1e12,
+        renew_global_burst_ids=10**12,
     )
     if store is None:
         store = MemoryStore(4 * RENEW_MAX_IDS)
