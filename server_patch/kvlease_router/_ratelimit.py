@@ -25,37 +25,26 @@ class TenantBuckets:
         self._max = max_tenants
         self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # tenant -> (tokens, at)
 
-    def take(self, tenant: str, cost: float, now: float) -> float:
-        """Spend ``cost`` tokens of ``tenant``'s bucket: 0.0 if allowed, else the seconds to wait
-        until it would be (nothing is spent then). A cost above ``burst`` needs a full bucket."""
-        tokens, at = self._buckets.pop(tenant, (self.burst, now))
-        tokens = min(self.burst, tokens + max(0.0, now - at) * self.rate)
-        need = min(cost, self.burst)
-        wait = 0.0
-        if tokens >= need:
-            tokens -= need
-        else:
-            wait = (need - tokens) / self.rate
-        self._buckets[tenant] = (tokens, now)
-        while len(self._buckets) > self._max:
-            self._buckets.popitem(last=False)
-        return wait
+    def _level(self, tenant: str, now: float) -> float | None:
+        """The tokens ``tenant``'s bucket holds at ``now`` (``None``: no bucket, a full one)."""
+        got = self._buckets.get(tenant)
+        return None if got is None else min(self.burst, got[0] + max(0.0, now - got[1]) * self.rate)
 
     def peek(self, tenant: str, cost: float, now: float) -> float:
         """The seconds until ``tenant``'s bucket could pay ``cost`` (0.0: now); spends nothing and
         keeps no new bucket (an unseen tenant has a full one)."""
-        got = self._buckets.get(tenant)
-        if got is None:
+        tokens = self._level(tenant, now)
+        if tokens is None:
             return 0.0
-        tokens = min(self.burst, got[0] + max(0.0, now - got[1]) * self.rate)
         need = min(cost, self.burst)
         return 0.0 if tokens >= need else (need - tokens) / self.rate
 
     def charge(self, tenant: str, cost: float, now: float) -> None:
         """Spend ``cost`` tokens of ``tenant``'s bucket whatever it holds: a bucket may go into debt
         (at most ``burst`` of it), paid back at ``rate`` before it lets anything through again."""
-        tokens, at = self._buckets.pop(tenant, (self.burst, now))
-        tokens = min(self.burst, tokens + max(0.0, now - at) * self.rate)
+        tokens = self._level(tenant, now)
+        self._buckets.pop(tenant, None)
+        tokens = self.burst if tokens is None else tokens
         self._buckets[tenant] = (max(-self.burst, tokens - min(cost, self.burst)), now)
         while len(self._buckets) > self._max:
             self._buckets.popitem(last=False)
