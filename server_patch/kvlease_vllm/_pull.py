@@ -1,18 +1,17 @@
 """P side: one request's pull, from the decision to the completed read (the connector's record),
-and its claims on D (the first before the read, the re-claims while the read waits)."""
+and the re-claims of its lease on D while the read waits."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from concurrent.futures import Executor, Future
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from kvlease.protocol import PrefillReport
-from kvlease_vllm import _control
 from kvlease_vllm._control import ClaimResult
 from kvlease_vllm._verify import Reason, RemoteHandle, reuse_status
 
-__all__ = ["Pull", "claim_outcome", "reclaim_waiting", "submit_claim"]
+__all__ = ["Pull", "claim_outcome", "reclaim_waiting"]
 
 
 @dataclass
@@ -48,31 +47,6 @@ def claim_outcome(fut: Future[ClaimResult]) -> tuple[ClaimResult | None, str]:
         return fut.result(), ""
     except Exception as e:
         return None, f"D's control endpoint did not answer the claim ({type(e).__name__}: {e})"
-
-
-def submit_claim(
-    claims: Executor,
-    pull: Pull,
-    claimant: str,
-    *,
-    hold_s: float,
-    secret: str | None,
-    timeout_s: float,
-) -> Future[ClaimResult]:
-    """Claim ``pull``'s lease on D (:func:`kvlease_vllm._control.claim`) in the ``claims`` pool,
-    for ``claimant`` (P's request id) and under the pull's tenant tag."""
-    handle = pull.handle
-    assert handle is not None and handle.ext.control is not None
-    return claims.submit(
-        _control.claim,
-        handle.ext.control,
-        handle.request_id,
-        hold_s,
-        secret,
-        timeout_s,
-        claimant,
-        tenant=pull.tenant,
-    )
 
 
 def reclaim_waiting(

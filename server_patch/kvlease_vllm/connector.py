@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvlease import __version__ as KVLEASE_VERSION
 from kvlease.protocol import KV, ControlInfo, Role, tenant_tag_of
-from kvlease_vllm import _progress, _staging
+from kvlease_vllm import _control, _progress, _staging
 from kvlease_vllm._compat import (
     NIXL_CONNECTOR_VERSION,
     NIXL_VERSION,
@@ -61,7 +61,7 @@ from kvlease_vllm._guards import (
 )
 from kvlease_vllm._layout import kv_regions, pull_shape, transport_advice
 from kvlease_vllm._metrics import ConnectorMetrics
-from kvlease_vllm._pull import Pull, claim_outcome, reclaim_waiting, submit_claim
+from kvlease_vllm._pull import Pull, claim_outcome, reclaim_waiting
 from kvlease_vllm._retention import RetentionTable
 from kvlease_vllm._verify import (
     HandleRejected,
@@ -308,14 +308,19 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
         return pull
 
     def _submit_claim(self, pull: Pull, claimant: str) -> Future[ClaimResult]:
-        cfg = self.cfg
-        return submit_claim(
-            self._claims,
-            pull,
+        """Claim ``pull``'s lease on D in the claim pool, for ``claimant`` (P's request id) and
+        under the pull's tenant tag."""
+        handle, cfg = pull.handle, self.cfg
+        assert handle is not None and handle.ext.control is not None
+        return self._claims.submit(
+            _control.claim,
+            handle.ext.control,
+            handle.request_id,
+            cfg.claim_hold_s,
+            self.secret,
+            cfg.claim_timeout_s,
             claimant,
-            hold_s=cfg.claim_hold_s,
-            secret=self.secret,
-            timeout_s=cfg.claim_timeout_s,
+            tenant=pull.tenant,
         )
 
     def _decline(
