@@ -35,6 +35,7 @@ class RetentionTableMachine(RuleBasedStateMachine):
         self.now = 1000.0
         self.gone: set[str] = set()  # released or forgotten: must never come back through renew
         self.deadline: dict[str, float] = {}  # last deadline seen per live lease
+        self.deferred: set[str] = set()  # released while pinned: freed once the pin ends
 
     # ---- clock
     @rule(dt=st.floats(0.0, 30.0))
@@ -83,12 +84,17 @@ class RetentionTableMachine(RuleBasedStateMachine):
 
     @rule(lid=IDS)
     def release(self, lid: str) -> None:
-        known = lid in self.table
-        assert self.table.release(lid, self.now) == known
-        if known:
+        lease = self.table.get(lid)
+        assert self.table.release(lid, self.now) == (lease is not None)
+        if lease is None:
+            return
+        assert self.table.renew(lid, 10.0, self.now) is None, "a released lease was renewed"
+        if lid in self.table:  # a prefill node is reading it: freed when its pin ends
+            assert lease.pinned(self.now) and lease.release_pending
+            self.deferred.add(lid)
+        else:
             self.gone.add(lid)
             self.deadline.pop(lid, None)
-            assert self.table.renew(lid, 10.0, self.now) is None
 
     @rule(lid=IDS)
     def forget(self, lid: str) -> None:
@@ -135,6 +141,19 @@ class RetentionTableMachine(RuleBasedStateMachine):
         for lease in self.table:
             assert lease.deadline >= self.deadline[lease.lease_id]
             self.deadline[lease.lease_id] = lease.deadline
+
+    @invariant()
+    def deferred_releases_settle(self) -> None:
+        """A lease released under a pin is never renewed, and a sweep after its pin frees it."""
+        for lid in list(self.deferred):
+            lease = self.table.get(lid)
+            if lease is not None and not lease.pinned(self.now):
+                self.table.sweep(self.now)
+                assert lid not in self.table, "a deferred release outlived its pin"
+            if lid not in self.table:
+                self.deferred.discard(lid)
+                self.gone.add(lid)
+                self.deadline.pop(lid, None)
 
     @invariant()
     def sweep_bounds_memory(self) -> None:
