@@ -185,3 +185,28 @@ def test_sdk_rows_show_the_a_a_noise_floor(report: Any) -> None:
     rows = {r[0]: r[3] for r in _rows(md) if r[0].startswith("SDK overhead")}
     assert rows["SDK overhead per call, non-streaming"].endswith("client CPU +5.81 %; A/A +0.28 %) (missed)")
     assert "A/A" not in rows["SDK overhead per call, streaming"]
+
+
+def test_sdk_rows_compare_with_the_raw_client_on_the_same_conversation(report: Any) -> None:
+    """With the ``raw_id`` arm the row's baseline is the raw client sending the same conversation id
+    (the server's work is then the same for both) and the figure against a raw client sending no id
+    is shown beside it; results stored before that arm keep the raw client as their baseline."""
+    mode = {
+        "raw_ms_per_call": 3.79,
+        "raw_id_ms_per_call": 3.95,
+        "wrapped_ms_per_call": 4.1,
+        "added_us_per_call": 143.1,
+        "overhead_pct": 2.9,
+        "overhead_pct_p25_p75": [1.5, 6.55],
+        "client_cpu_overhead_pct": 2.2,
+        "aa_pct": 1.1,
+        "vs_no_id_overhead_pct": 7.86,
+    }
+    old = {k: v for k, v in mode.items() if k not in ("raw_id_ms_per_call", "vs_no_id_overhead_pct")}
+    md = report.render_markdown({"sdk": _entry("sdk", {"non_streaming": mode, "streaming": old})})
+    rows = {r[0]: r[2:] for r in _rows(md) if r[0].startswith("SDK overhead")}
+    baseline, measured = rows["SDK overhead per call, non-streaming"]
+    assert baseline == "raw openai client, same conversation id: 3.95 ms/call"
+    assert measured.endswith("A/A +1.10 %; vs a raw client sending no id +7.86 %) (met)")
+    old_baseline, old_measured = rows["SDK overhead per call, streaming"]
+    assert old_baseline == "raw openai client: 3.79 ms/call" and "no id" not in old_measured

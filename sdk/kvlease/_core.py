@@ -201,14 +201,18 @@ class Pending:
         self.header_at = t0
 
 
-def inject_conversation_id(body: bytes, conversation_id: str) -> bytes:
+def inject_conversation_id(body: bytes, conversation_id: str, *, has_key: bool | None = None) -> bytes:
     """``body`` (a JSON object) with ``conversation_id`` added first, without re-serializing it.
 
     The id is validated (``[A-Za-z0-9._:-]``), so it needs no escaping. A body that already names the
-    key, or is not a JSON object, is returned unchanged.
+    key, or is not a JSON object, is returned unchanged. ``has_key``: whether the parsed body's top
+    level has the key, when the caller parsed it (else the bytes are searched for it, which also
+    finds it nested: the body is then left as it is).
     """
     start = body.find(b"{")
-    if start < 0 or (start and body[:start].strip()) or _BODY_KEY in body:
+    if start < 0 or (start and body[:start].strip()):
+        return body
+    if has_key or (has_key is None and _BODY_KEY in body):
         return body
     head = b"{" + _BODY_KEY + b':"' + conversation_id.encode("ascii") + b'"'
     rest = memoryview(body)[start + 1 :]  # the body is copied once, into the result
@@ -364,7 +368,10 @@ class Tracker:
                     body = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
             else:
                 prefix = None
-        body = inject_conversation_id(body, conversation_id)
+            has_key = protocol.BODY_CONVERSATION_ID in data if isinstance(data, dict) else None
+        else:
+            has_key = None
+        body = inject_conversation_id(body, conversation_id, has_key=has_key)
         root = router_root(origin, path)
         verifies = self._verifies.get(root) is True
         pending = Pending(

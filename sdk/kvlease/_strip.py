@@ -182,6 +182,8 @@ def split_think(content: str | None) -> tuple[str | None, str]:
 
 
 def normalize_tool_calls(value: object) -> tuple[ToolCall, ...]:
+    if not value:  # (most messages have none: no ABC check for them)
+        return ()
     if not isinstance(value, Sequence) or isinstance(value, (str, bytes)):
         return ()
     out: list[ToolCall] = []

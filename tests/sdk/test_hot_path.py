@@ -192,6 +192,29 @@ def test_spliced_bodies_are_the_same_json_plus_the_id(doc: dict[str, Any]) -> No
         assert out == {KEY: CID, **doc} and list(out) == [KEY, *doc]
 
 
+def test_the_id_goes_in_a_chat_body_that_only_mentions_the_key_nested(
+    kc: kvlease.KVLeaseClient, fake_server: FakeOpenAIServer
+) -> None:
+    """The parsed body's top level decides, not a byte search: a message whose text is the key's
+    name (or a nested object with that key) does not stop the id from being added."""
+    mention = {"role": "user", "content": KEY, "name": "u"}
+    nested = {"role": "user", "content": [{"type": "text", "text": "x", KEY: "nested"}]}
+    with kc.conversation() as conv:
+        conv.chat.completions.create(model="m", messages=[mention])
+        conv.chat.completions.create(model="m", messages=[nested])
+    for rec in fake_server.completions():
+        assert json.loads(rec.raw)[KEY] == conv.id
+
+
+def test_a_body_the_caller_parsed_is_searched_no_further() -> None:
+    body = b'{"messages":[],"model":"m"}'
+    assert inject_conversation_id(body, CID, has_key=True) is body
+    assert json.loads(inject_conversation_id(body, CID, has_key=False))[KEY] == CID
+    nested = b'{"a":{"' + KEY.encode() + b'":"x"}}'
+    assert inject_conversation_id(nested, CID) == nested  # unparsed: any occurrence keeps it as is
+    assert json.loads(inject_conversation_id(nested, CID, has_key=False))[KEY] == CID
+
+
 # ------------------------------------------------------------------------------ headers
 
 
