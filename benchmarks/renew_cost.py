@@ -7,8 +7,9 @@ on the store, grouping by decode node, folding D's answers, one ``renew_many`` a
 stores: the in-memory one (deadlines renewed in place) and, where ``redis-server`` is installed, a
 real Redis (records read through one script call, which answers only the 49-byte expiry part of a
 record this process remembers; one small MAC per id for its new lease end, written back through one
-script call that rewrites only that part: no record is re-serialized or re-sealed; the redis-py
-client's work is the router's, Redis's own CPU is not counted).
+script call that rewrites only that part: no record is re-serialized or re-sealed; each call's keys
+and per-key strings go packed in a few arguments; the redis-py client's work is the router's,
+Redis's own CPU is not counted).
 aiohttp's HTTP parsing and the decode node's work are not in it (D's control call is a stub that
 renews everything). Two cases:
 
@@ -77,7 +78,7 @@ def _router(store: Any = None) -> RouterRuntime:
         store = MemoryStore(4 * RENEW_MAX_IDS)
     rt = RouterRuntime(settings, store, Upstreams(settings.prefill, settings.decode))
     rt.plan = ClusterPlan(300.0, 305.0, True, 16, None, None, ())
-    rt.control = lambda url: _StubControl()  # type: ignore[method-assign,assignment,return-value]
+    rt.control = lambda url: _StubControl()  # type: ignore[method-assign]
     return rt
 
 

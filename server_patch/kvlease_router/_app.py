@@ -38,7 +38,7 @@ from kvlease.protocol import (
     RouterStatus,
 )
 from kvlease_router._flow import handle_turn
-from kvlease_router._guard import GUARD_KEY, ConnectionGuard, guard_middleware
+from kvlease_router._guard import GUARD_KEY, ConnectionGuard
 from kvlease_router._lease_api import handle_release, handle_renew
 from kvlease_router._logs import install_server_log_filter
 from kvlease_router._retry import RETRY_POLICY, upstream_policy
@@ -221,10 +221,12 @@ def create_app(
         upstreams = Upstreams(settings.prefill, settings.decode, settings.unhealthy_for)
     router = RouterRuntime(settings, store, upstreams)
     install_server_log_filter()  # a client's bad HTTP is one INFO line a second, not a traceback
-    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[guard_middleware])
+    # no middleware: aiohttp then calls the handlers directly (the guard learns that a request was
+    # answered from the server's request handler, wrapped by ``start_site``)
+    app = web.Application(client_max_size=settings.max_body_bytes)
     app[ROUTER_KEY] = router
     app[GUARD_KEY] = ConnectionGuard(settings)
-    app[RETRY_POLICY] = retry_policy if retry_policy is not None else upstream_policy()
+    app[RETRY_POLICY] = router.retry_policy = retry_policy if retry_policy is not None else upstream_policy()
     app.cleanup_ctx.append(_lifespan(router))
 
     def bind(

@@ -14,6 +14,7 @@ import aiohttp
 import aiohttp.http_exceptions
 import orjson
 from aiohttp import web
+from tenacity import AsyncRetrying
 
 from kvlease.protocol import (
     BODY_CONVERSATION_ID,
@@ -45,6 +46,7 @@ from kvlease_router._turn import (
     TurnFacts,
     TurnOutcome,
     TurnPlan,
+    first_attempt,
     plan,
     record,
     releases_unused,
@@ -88,12 +90,16 @@ class _Turn:
         return self.plan.chat
 
     def response_headers(self, router: RouterRuntime) -> dict[str, str]:
-        return {
-            HEADER_STATUS: self.status.value,
-            HEADER_REUSED_TOKENS: str(self.reused),
-            HEADER_TTL: f"{router.ttl:g}",
-            HEADER_VERIFIED: VERIFIED_TOKENS if router.settings.kvlease_mode else VERIFIED_NONE,
-        }
+        fixed = router.fixed_headers
+        if fixed is None or fixed[0] is not router.plan:  # once per cluster plan
+            fixed = router.fixed_headers = (
+                router.plan,
+                {
+                    HEADER_TTL: f"{router.ttl:g}",
+                    HEADER_VERIFIED: VERIFIED_TOKENS if router.settings.kvlease_mode else VERIFIED_NONE,
+                },
+            )
+        return {HEADER_STATUS: self.status.value, HEADER_REUSED_TOKENS: str(self.reused), **fixed[1]}
 
     async def capture(self, node: Node, params: object, returned: object, streamed: bool) -> None:
         """Remember D's new handle (or that there is none) for the conversation's next turn."""
@@ -160,14 +166,19 @@ async def _answer_and_close(request: web.Request, resp: web.Response) -> web.Res
 
 async def _read_body(request: web.Request, router: RouterRuntime) -> dict[str, Any] | web.Response:
     s = router.settings
-    coding = (request.headers.get("Content-Encoding") or "").strip().lower()
-    if coding not in _DECODED:  # the body is left unread: the connection closes after the answer
-        return await _answer_and_close(
-            request, _bad(router, "encoding", f"unsupported Content-Encoding {coding[:40]!r}", 415)
-        )
+    coding = request.headers.get("Content-Encoding")
+    if coding is not None:
+        coding = coding.strip().lower()
+        if coding not in _DECODED:  # the body is left unread: the connection closes after the answer
+            return await _answer_and_close(
+                request, _bad(router, "encoding", f"unsupported Content-Encoding {coding[:40]!r}", 415)
+            )
     try:
-        async with timeout(s.body_timeout):
+        if request.content.is_eof():  # the whole body came with the head: reading cannot wait
             raw = await request.read()
+        else:
+            async with timeout(s.body_timeout):
+                raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         return _bad(router, "too-large", f"request body exceeds {s.max_body_bytes} bytes", 413)
     except asyncio.TimeoutError:  # TimeoutError from 3.11 on; async-timeout's on 3.10
@@ -274,6 +285,12 @@ def _encoded(resp: aiohttp.ClientResponse) -> bool:
     return coding is not None and coding.strip().lower() not in ("", "identity")
 
 
+def _policy(router: RouterRuntime, request: web.Request) -> AsyncRetrying:
+    """The app's retry policy (``create_app`` puts it on the runtime too: no app lookup per turn)."""
+    policy = router.retry_policy
+    return policy if policy is not None else request.app[RETRY_POLICY]
+
+
 def _exclude(nodes: list[Node], tried: tuple[str, ...]) -> list[Node]:
     return [n for n in nodes if n.url in tried] if tried else []
 
@@ -328,8 +345,8 @@ async def _prefill(router: RouterRuntime, request: web.Request, turn: _Turn) -> 
         router.metrics.prefill_seconds.observe(time.perf_counter() - t0)
         return out
 
-    first = Attempt(prefill=True, n_nodes=len(pool.nodes), handle=handle is not None)
-    return await run_attempts(request.app[RETRY_POLICY], first, attempt, _on_step(router, turn, "prefill"))
+    first = first_attempt(True, len(pool.nodes), handle is not None)
+    return await run_attempts(_policy(router, request), first, attempt, _on_step(router, turn, "prefill"))
 
 
 async def _post_json(
@@ -406,10 +423,10 @@ async def _decode(
             raise AttemptFailed(Failure.DOWN, e, node.url) from e
         return node, using, upstream, t0
 
-    first = Attempt(prefill=False, n_nodes=len(pool.nodes))
+    first = first_attempt(False, len(pool.nodes), False)
     try:
         node, using, upstream, t0 = await run_attempts(
-            request.app[RETRY_POLICY], first, attempt, _on_step(router, turn, "decode")
+            _policy(router, request), first, attempt, _on_step(router, turn, "decode")
         )
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         await turn.forget()

@@ -22,6 +22,7 @@ import contextlib
 import socket
 import sys
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -38,13 +39,13 @@ __all__ = [
     "GUARD_KEY",
     "ConnectionGuard",
     "bound_send_buffer",
-    "guard_middleware",
     "start_site",
     "stop_site",
     "timeout",
 ]
 
 _HEAD_END = b"\r\n\r\n"
+_Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
 
 
 class ConnectionGuard:
@@ -126,19 +127,22 @@ class _Guarded(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self.awaiting_head:
-            if self._timer is None:
-                self._timer = asyncio.get_running_loop().call_later(
-                    self._guard.header_timeout, self._head_late
-                )
             # only the 3 bytes kept from the last read are joined to this one (not all of it), and
             # ``find`` rather than ``in`` (see ``_relay.suspicious``)
             tail = self._tail
             if data.find(_HEAD_END) >= 0 or (tail and (tail + data[:3]).find(_HEAD_END) >= 0):
                 self.awaiting_head = False
                 self._tail = b""
-                self._timer.cancel()
-                self._timer = None
+                if self._timer is not None:
+                    self._timer.cancel()
+                    self._timer = None
             else:
+                # the head is not complete: its clock starts at its first byte. A head that comes
+                # whole in one read (nearly every one) needs no timer at all.
+                if self._timer is None:
+                    self._timer = asyncio.get_running_loop().call_later(
+                        self._guard.header_timeout, self._head_late
+                    )
                 self._tail = (tail + data)[-3:] if len(data) < 3 else data[-3:]
         self._inner.data_received(data)
 
@@ -160,15 +164,20 @@ class _Guarded(asyncio.Protocol):
         self._inner.resume_writing()
 
 
-@web.middleware
-async def guard_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-    try:
-        resp: web.StreamResponse = await handler(request)
-        return resp
-    finally:
-        guard = request.app.get(GUARD_KEY)
-        if guard is not None:
-            guard.request_done(request.protocol)
+def _marking_done(handler: _Handler, guard: ConnectionGuard) -> _Handler:
+    """``handler`` (the app's request handler, under aiohttp's low-level server), telling the
+    guard when each request was answered: every request that reaches the app (404s included),
+    with one coroutine frame (an app middleware costs two, and aiohttp's per-request middleware
+    chain)."""
+    done = guard.request_done
+
+    async def handle(request: web.BaseRequest) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        finally:
+            done(request.protocol)
+
+    return handle
 
 
 async def start_site(
@@ -187,6 +196,8 @@ async def start_site(
     guard = app[GUARD_KEY]
     factory = runner.server
     assert factory is not None
+    # each connection's handler copies the server's request handler when it is made (below)
+    factory.request_handler = _marking_done(factory.request_handler, guard)
     loop = asyncio.get_running_loop()
     server = await loop.create_server(
         lambda: _Guarded(factory(), guard), host, port, backlog=backlog, reuse_address=True

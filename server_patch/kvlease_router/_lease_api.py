@@ -86,7 +86,8 @@ async def _renew_on(
         ask = router.ttl + router.settings.ttl_margin
     try:
         answer = await router.control(control).renew(lease_ids, ask, tenant=tenant_tag)
-        return answer.expires_in
+        got: Mapping[str, float | None] = answer.expires_in
+        return got
     except (aiohttp.ClientError, asyncio.TimeoutError, ControlCallError, ProtocolError) as e:
         router.metrics.upstream_errors["control"].inc()
         router.metrics.renewals["failed"].inc(len(lease_ids))
@@ -133,7 +134,8 @@ async def handle_renew(request: web.Request, router: RouterRuntime) -> web.Respo
         return error_response(400, f"request body is not valid JSON: {e}")
     except ProtocolError as e:
         return error_response(400, str(e))
-    ids = list(dict.fromkeys(req.conversation_ids))
+    unique: dict[str, None] = dict.fromkeys(req.conversation_ids)
+    ids = list(unique)
     # the ids are charged whether or not they are served: a refused renew leaves its budgets in
     # debt, so the next ones are refused before their bodies are read until it is paid back
     now = time.monotonic()
@@ -150,7 +152,7 @@ async def handle_renew(request: web.Request, router: RouterRuntime) -> web.Respo
     if missed:  # cache the keys of the ids that have state (a keeper renews them every period)
         router.keyer.remember(tenant, _found(ids, keys, records, missed))
     settings = lease_settings(router, router.ttl)
-    plan = plan_renew(ids, records, time.time(), settings)
+    plan = plan_renew(ids, records, time.time(), settings, unique)
     answers: dict[str, Mapping[str, float | None] | None] = {}
     if plan.calls:
         tag = router.keyer.tenant_tag(tenant)
@@ -195,6 +197,9 @@ async def _write_back(
     alike) and the records that lost their handle (one ``put_many``)."""
     store, grace = router.store, settings.expired_grace
     for left, indexes in renewals.items():
+        if len(indexes) == len(keys):  # every one (indexes are distinct): as read, no copies
+            await store.renew_many(keys, records, now + left, left + grace)  # type: ignore[arg-type]
+            continue
         renewed = list(map(records.__getitem__, indexes))
         await store.renew_many(list(map(keys.__getitem__, indexes)), renewed, now + left, left + grace)  # type: ignore[arg-type]
     if drops:

@@ -102,11 +102,13 @@ def plan_renew(
     records: Sequence[ConversationRecord | None],
     now: float,
     settings: LeaseSettings,
+    unique: dict[str, None] | None = None,
 ) -> RenewPlan:
     """Per id (``records[i]`` is the stored record of ``ids[i]``): unknown, remaining time, or a
-    renewal on a configured decode control endpoint."""
+    renewal on a configured decode control endpoint. ``unique``: ``dict.fromkeys(ids)`` where the
+    caller has it (its dedup of the ids), taken over as the plan's leases instead of another one."""
     kvlease, resolve = settings.kvlease_mode, settings.configured_control
-    leases: dict[str, float | None] = dict.fromkeys(ids)
+    leases: dict[str, float | None] = dict.fromkeys(ids) if unique is None else unique  # type: ignore[assignment]
     calls: dict[str, list[int]] = {}
     lease_ids: dict[str, list[str]] = {}
     drops: list[int] = []
@@ -150,6 +152,15 @@ def settle_renew(
     or ``None`` when the call failed) into the leases of the answer and the records to write."""
     ids, records, now = plan.ids, plan.records, plan.now
     margin, ttl = settings.ttl_margin, settings.ttl
+    if len(plan.calls) == 1 and not plan.drops:  # maybe every id on one D (a keeper's renew)
+        ((control, indexes),) = plan.calls.items()
+        answer = answers.get(control)
+        if len(indexes) == len(ids) and answer is not None:
+            got = list(map(answer.get, plan.lease_ids[control]))
+            first = got[0]
+            if first is not None and first > margin and got.count(first) == len(got):  # D renewed alike
+                left = min(first - margin, ttl)
+                return RenewResult(dict.fromkeys(ids, left), {left: list(indexes)}, [])
     leases = dict(plan.leases)
     drops = list(plan.drops)
     renewals: dict[float, list[int]] = {}

@@ -33,7 +33,7 @@ from typing import Any
 
 import orjson
 
-from kvlease_router._store import ConversationRecord, PutItem, RecordSeal, StoreError
+from kvlease_router._store import ConversationRecord, PutItem, RecordSeal, StoreError, own_copy
 
 __all__ = ["RedisStore", "redis_client_from_url"]
 
@@ -41,35 +41,56 @@ KEY_PREFIX = "kvlease:conv:"
 #: Default size of the connection pool of one router process.
 DEFAULT_MAX_CONNECTIONS = 32
 
-# A renew's batches as one command each, its keys and values in JSON arguments and its answer in
-# one bulk reply: redis-py packs each argument and parses each reply in Python (about 10 µs a
-# command, 2 µs a value), so 10,000 ``SET``s in a pipeline, or 10,000 values of an ``MGET``, cost
-# the router hundreds of milliseconds where one JSON string costs a few. The scripts only move
-# bytes: what they read is opened by the router as any read (``RedisStore._open``), and what they
-# write was sealed (or tagged) by it. A Redis without scripting (or a reply that is not JSON: a planted value that is not
-# UTF-8) falls back to ``MGET`` and a pipeline. ``pcall`` and the type checks: a key of another
-# type (planted) reads as absent and is not written, instead of failing the whole batch.
-#
-# The read: ARGV prefix, keys, and per key the fingerprint (``M[:16]``) of the body MAC and the
-# expiry tag ``T`` this process remembers for it ("" if none). A value with that MAC and tag answers
-# "" (as this process left it: ``T`` binds the lease end), one with that MAC and another tag (a
-# replica renewed it) its expiry part ``E.T`` (49 bytes), any other the whole value (see
-# ``RedisStore._open``); and when every value is as this process left it, the answer is ``=``. So a
-# renew of records this process knows reads a few bytes, whatever the size of D's handles.
-_GET_MANY_LUA = """
-local p = ARGV[1]
-local keys = cjson.decode(ARGV[2])
-local fps = cjson.decode(ARGV[3])
-local tags = cjson.decode(ARGV[4])
+# A renew's batches as one command each, its keys and per-key strings packed into a few arguments
+# and its answer in one bulk reply: redis-py packs each argument and parses each reply in Python
+# (about 10 µs a command, 2 µs a value), so 10,000 ``SET``s in a pipeline, or 10,000 values of an
+# ``MGET``, cost the router hundreds of milliseconds where one string costs a few. The keys go
+# concatenated, with their widths (in bytes: one number where all have it, as the router's keys
+# do, else a JSON list), and the fixed-width strings per key (fingerprints, tags) concatenated
+# (see ``_packed``). The scripts only move bytes: what they read is opened by the router as any
+# read (``RedisStore._open``), and what they write was sealed (or tagged) by it. A Redis without
+# scripting (or a reply that is not JSON: a planted value that is not UTF-8) falls back to ``MGET``
+# and a pipeline. ``pcall`` and the type checks: a key of another type (planted) reads as absent
+# and is not written, instead of failing the whole batch.
+_KEYS_LUA = """
+local function key_at(p, blob, width, widths, at, i)
+  local w = width or widths[i]
+  return p .. string.sub(blob, at, at + w - 1), at + w
+end
+local function widths_of(w)
+  local width = tonumber(w)
+  if width then
+    return width, nil
+  end
+  return nil, cjson.decode(w)
+end
+"""
+# The read: ARGV prefix, the number of keys, the keys and their widths, then per key the
+# fingerprint (``M[:16]``) of the body MAC and the expiry tag ``T`` this process remembers for it
+# (48 characters; spaces if none), concatenated. A value with that MAC and tag answers "" (as this
+# process left it: ``T`` binds the lease end), one with that MAC and another tag (a replica renewed
+# it) its expiry part ``E.T`` (49 bytes), any other the whole value (see ``RedisStore._open``); and
+# when every value is as this process left it, the answer is ``=``. So a renew of records this
+# process knows reads a few bytes, whatever the size of D's handles.
+_GET_MANY_LUA = (
+    _KEYS_LUA
+    + """
+local p, n, blob = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local width, widths = widths_of(ARGV[4])
+local known = ARGV[5]
+local none = string.rep(' ', 16)
 local out = {}
 local same = true
-for i = 1, #keys do
-  local v = redis.pcall('GET', p .. keys[i])
+local at, k = 1, nil
+for i = 1, n do
+  k, at = key_at(p, blob, width, widths, at, i)
+  local fp = string.sub(known, 48 * i - 47, 48 * i - 32)
+  local v = redis.pcall('GET', k)
   if type(v) ~= 'string' or v == '' then
     v = false
     same = false
-  elseif fps[i] ~= '' and string.sub(v, 54, 69) == fps[i] then
-    if string.sub(v, 21, 52) == tags[i] then
+  elseif fp ~= none and string.sub(v, 54, 69) == fp then
+    if string.sub(v, 21, 52) == string.sub(known, 48 * i - 31, 48 * i) then
       v = ''
     else
       v = string.sub(v, 4, 52)
@@ -85,33 +106,38 @@ if same then
 end
 return cjson.encode(out)
 """
-# The renewal: ARGV prefix, PX milliseconds, ``E.``, then keys, the fingerprint of the body MAC
-# each must still have, and their expiry tags (``E.T`` goes at offset 3 and the TTL moves, only
-# where that MAC is still there: a key gone stays gone, a record a turn replaced meanwhile is left
-# as it is), then keys and whole sealed values for ``SET XX`` (records this process does not
-# remember). Answers the (1-based) indexes of the first list that were not renewed.
-_RENEW_MANY_LUA = """
-local p, ms, e = ARGV[1], ARGV[2], ARGV[3]
-local keys = cjson.decode(ARGV[4])
-local fps = cjson.decode(ARGV[5])
-local tags = cjson.decode(ARGV[6])
+)
+# The renewal: ARGV prefix, PX milliseconds, ``E.``, the number of keys, the keys and their widths,
+# per key the fingerprint of the body MAC it must still have and its new expiry tag (48 characters,
+# concatenated; ``E.T`` goes at offset 3 and the TTL moves, only where that MAC is still there: a
+# key gone stays gone, a record a turn replaced meanwhile is left as it is), then keys and whole
+# sealed values (JSON lists) for ``SET XX`` (records this process does not remember). Answers the
+# (1-based) indexes of the first keys that were not renewed.
+_RENEW_MANY_LUA = (
+    _KEYS_LUA
+    + """
+local p, ms, e, n, blob = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
+local width, widths = widths_of(ARGV[6])
+local known = ARGV[7]
 local missed = {}
-for i = 1, #keys do
-  local k = p .. keys[i]
-  if redis.pcall('GETRANGE', k, 53, 68) == fps[i] then
-    redis.call('SETRANGE', k, 3, e .. tags[i])
+local at, k = 1, nil
+for i = 1, n do
+  k, at = key_at(p, blob, width, widths, at, i)
+  if redis.pcall('GETRANGE', k, 53, 68) == string.sub(known, 48 * i - 47, 48 * i - 32) then
+    redis.call('SETRANGE', k, 3, e .. string.sub(known, 48 * i - 31, 48 * i))
     redis.call('PEXPIRE', k, ms)
   else
     missed[#missed + 1] = i
   end
 end
-local fk = cjson.decode(ARGV[7])
-local fv = cjson.decode(ARGV[8])
+local fk = cjson.decode(ARGV[8])
+local fv = cjson.decode(ARGV[9])
 for i = 1, #fk do
   redis.pcall('SET', p .. fk[i], fv[i], 'PX', ms, 'XX')
 end
 return missed
 """
+)
 #: Records this process wrote (or opened) and still remembers, per store: see ``RedisStore._open``.
 #: Past it the oldest tenth goes at once: one pass over the dict, where one ``next(iter(d))`` per
 #: eviction walks every slot deleted from the dict's front before it (quadratic: 10,000 evictions
@@ -120,12 +146,39 @@ MEMO_ENTRIES = 20_000
 #: Batches below this size go as plain commands (the scripts pay off on large ones).
 _SCRIPT_MIN_KEYS = 64
 _NO_SCRIPT = object()
-#: A memo entry, a list (a renewal updates it in place): the expiry tag ``T`` as last written or
-#: verified, the fingerprint ``M[:16]`` the scripts match, the record (the store's own object),
-#: ``material(key, M)``, ``M``, and the lease end in the record's JSON.
+#: A memo entry, a list (a renewal updates it in place): the fingerprint ``M[:16]`` the scripts
+#: match followed by the expiry tag ``T`` as last written or verified (48 ASCII characters, see
+#: ``_ascii_tag``: what the scripts are sent for the key), the fingerprint alone, the record (the
+#: store's own object), ``material(key, M)``, ``M``, and the lease end in the record's JSON.
 _Memo = list[Any]
-_TAG, _FP, _REC, _MAT = (itemgetter(i) for i in range(4))
+#: A ``get_many`` the memo answered whole: its keys, its answer, the memo entries that answered it,
+#: and the keys packed (see ``_packed``).
+_Read = tuple[list[str], list[ConversationRecord], list[_Memo], tuple[str, str]]
+_FP_TAG, _FP, _REC, _MAT = (itemgetter(i) for i in range(4))
 _PART_LEN = 49
+#: What the read script is sent for a key this process does not remember (no fingerprint).
+_NOT_SEEN = " " * 48
+_set = object.__setattr__
+
+
+def _ascii_tag(tag: str) -> str:
+    """A tag read from Redis as the memo keeps it: as it is where it has 32 ASCII characters (every
+    tag the router writes: hex), else 32 ``?`` (a planted one: a fixed width keeps the scripts'
+    packed arguments aligned and encodable; it matches only a tag of ``?``, which fails the tag
+    check as the planted one does, so the memo answers what a full check would)."""
+    return tag if len(tag) == 32 and tag.isascii() else "?" * 32
+
+
+def _packed(keys: Sequence[str]) -> tuple[str, str]:
+    """The scripts' form of ``keys``: their concatenation, and their widths in bytes (one number
+    where all have it, as the router's keys do, else a JSON list)."""
+    blob = "".join(keys)
+    if blob.isascii():
+        widths = set(map(len, keys))
+        if len(widths) == 1:
+            return blob, str(widths.pop())
+        return blob, orjson.dumps(list(map(len, keys))).decode()
+    return blob, orjson.dumps([len(k.encode("utf-8", "surrogatepass")) for k in keys]).decode()
 
 
 def redis_client_from_url(url: str, timeout: float, max_connections: int = DEFAULT_MAX_CONNECTIONS) -> Any:
@@ -189,11 +242,15 @@ class RedisStore:
         self._scripts_ok = True
         #: key -> memo entry (see ``_Memo``), oldest first.
         self._memo: dict[str, _Memo] = {}
+        #: The last ``get_many`` the memo answered whole, so its renewal finds its memo entries
+        #: without a second lookup per id (and its keys packed).
+        self._last_read: _Read | None = None
 
     def _remember(self, key: str, tag: str, mac: str, record: ConversationRecord, sealed_at: float) -> None:
         memo = self._memo
         memo.pop(key, None)  # a new record: the newest
-        memo[key] = [tag, mac[:16], record, RecordSeal.material(key, mac), mac, sealed_at]
+        fp = mac[:16]
+        memo[key] = [fp + _ascii_tag(tag), fp, record, RecordSeal.material(key, mac), mac, sealed_at]
         if len(memo) > MEMO_ENTRIES:  # the oldest tenth at once, see ``MEMO_ENTRIES``
             for old in list(islice(memo, len(memo) - MEMO_ENTRIES + MEMO_ENTRIES // 10)):
                 del memo[old]
@@ -221,12 +278,12 @@ class RedisStore:
             mac = seen[4]
             part = raw if len(raw) == _PART_LEN else raw[3:52] if raw[53:85] == mac else None
             if part is not None:
-                if part[17:] == seen[0]:
+                if part[17:] == seen[0][16:]:
                     return seen[2]  # type: ignore[no-any-return]
                 expires_at = self._seal.expiry(key, mac, part)
                 # in place, as a renewal from this process (the store's own record)
-                seen[0] = part[17:]
-                seen[2].__dict__["expires_at"] = seen[5] if expires_at is None else expires_at
+                seen[0] = seen[1] + _ascii_tag(part[17:])
+                _set(seen[2], "expires_at", seen[5] if expires_at is None else expires_at)
                 return seen[2]  # type: ignore[no-any-return]
         opened = self._seal.unseal(key, raw)
         if opened is None:
@@ -239,7 +296,7 @@ class RedisStore:
         """The sealed value of ``record``, remembered with the store's own copy of it (a renewal
         moves the lease end of the memo's records in place; a caller's object never changes)."""
         head, mac, body = self._seal.seal_parts(key, record)
-        self._remember(key, head[20:52], mac, record.with_expiry(record.expires_at), record.expires_at)
+        self._remember(key, head[20:52], mac, own_copy(record), record.expires_at)
         return head.encode("ascii") + body
 
     @property
@@ -298,14 +355,18 @@ class RedisStore:
         seen: list[Any] = list(map(self._memo.get, keys))  # as asked: the script answers for these
         raws: Any = _NO_SCRIPT
         if self._scripts_ok and len(keys) >= _SCRIPT_MIN_KEYS:
-            dumps = orjson.dumps
             if None not in seen:
-                known = [dumps(list(map(_FP, seen))), dumps(list(map(_TAG, seen)))]
+                known = "".join(map(_FP_TAG, seen))
+            elif seen.count(None) == len(seen):  # none remembered (an attacker's ids)
+                known = _NOT_SEEN * len(seen)
             else:
-                known = [dumps([e[1] if e else "" for e in seen]), dumps([e[0] if e else "" for e in seen])]
-            blob = await self._call(self._run_script(0, [self._prefix, dumps(keys), *known]))
+                known = "".join(e[0] if e else _NOT_SEEN for e in seen)
+            packed = _packed(keys)
+            blob = await self._call(self._run_script(0, [self._prefix, len(keys), *packed, known]))
             if blob == b"=":  # every one as this process left it
-                return list(map(_REC, seen))
+                mine: list[ConversationRecord] = list(map(_REC, seen))
+                self._last_read = (list(keys), mine, seen, packed)
+                return mine  # type: ignore[return-value]
             if blob is not _NO_SCRIPT:
                 try:
                     raws = orjson.loads(blob)
@@ -315,6 +376,8 @@ class RedisStore:
             raws = await self._call(self._client.mget([self._prefix + k for k in keys]))
         if not isinstance(raws, list) or len(raws) != len(keys):
             raise StoreError("redis: MGET answered the wrong number of values")
+        if raws.count(None) + raws.count(False) == len(raws):  # none there (an attacker's ids)
+            return [None] * len(keys)
         # the script's JSON has ``false`` for a missing key, "" for one as this process left it
         # (only where it sent a tag), and other values as strings
         open_ = self._open
@@ -378,41 +441,67 @@ class RedisStore:
     ) -> bool:
         """``renew_many`` through the script; ``False`` when this Redis refuses scripts."""
         code = RecordSeal.expiry_code(expires_at)
-        entries: list[Any] = list(map(self._memo.get, keys))
         tagged: Sequence[str] = keys
         whole: list[str] = []
         values: list[str] = []
-        if None in entries or not all(map(is_, map(_REC, entries), records)):
-            # some are not the records this store answered (the memo forgot them, or a caller's
-            # own): those are re-sealed whole
-            mine = [e is not None and e[2] is r for e, r in zip(entries, records)]
-            tagged = [k for k, m in zip(keys, mine) if m]
-            entries = [e for e, m in zip(entries, mine) if m]
-            for key, record, m in zip(keys, records, mine):
-                if not m:
-                    whole.append(key)
-                    values.append(self._sealed(key, record.with_expiry(expires_at)).decode("utf-8"))
+        entries: list[Any]
+        packed: tuple[str, str] | None = None
+        last, self._last_read = self._last_read, None
+        if (
+            last is not None
+            and len(last[1]) == len(records)
+            and all(map(is_, records, last[1]))
+            and keys == last[0]
+        ):
+            # the records of the last read, as the memo answered them: its entries (each is still
+            # the one that read its record; one the memo dropped or replaced since is updated
+            # unseen, and Redis's record is renewed only where its body MAC is still the one read)
+            entries, packed = last[2], last[3]
+        else:
+            entries = list(map(self._memo.get, keys))
+            if None in entries or not all(map(is_, map(_REC, entries), records)):
+                # some are not the records this store answered (the memo forgot them, or a caller's
+                # own): those are re-sealed whole
+                mine = [e is not None and e[2] is r for e, r in zip(entries, records)]
+                tagged = [k for k, m in zip(keys, mine) if m]
+                entries = [e for e, m in zip(entries, mine) if m]
+                for key, record, m in zip(keys, records, mine):
+                    if not m:
+                        whole.append(key)
+                        values.append(self._sealed(key, record.with_expiry(expires_at)).decode("utf-8"))
         copy = self._seal.tagger(code).copy
-        tags: list[str] = []
-        append = tags.append
+        known: list[str] = []  # per key, the fingerprint it must still have and its new tag
+        append = known.append
         for entry in entries:
             h = copy()  # T: one small MAC, nothing else
             h.update(entry[3])
-            append(tag := h.hexdigest())
+            append(fp_tag := entry[1] + h.hexdigest())
             # The memo as Redis will be: the new tag, and the record's new lease end in place (as
             # the memory store: the store's own copy; a holder sees the lease as it now is; D has
-            # renewed it). Set before the write, so no second pass: where the write fails or
-            # misses, Redis's tag differs from this one and the next read checks Redis's anew.
-            entry[0] = tag
-            entry[2].__dict__["expires_at"] = expires_at
+            # renewed it; set as ``__init__`` sets it, so its fields stay inline). Set before the
+            # write, so no second pass: where the write fails or misses, Redis's tag differs from
+            # this one and the next read checks Redis's anew.
+            entry[0] = fp_tag
+            _set(entry[2], "expires_at", expires_at)
         dumps = orjson.dumps
-        fps = dumps(list(map(_FP, entries)))
-        args = [self._prefix, ms, code + ".", dumps(tagged), fps, dumps(tags), dumps(whole), dumps(values)]
+        args = [
+            self._prefix,
+            ms,
+            code + ".",
+            len(tagged),
+            *(packed or _packed(tagged)),
+            "".join(known),
+            dumps(whole),
+            dumps(values),
+        ]
         missed = await self._call(self._run_script(1, args))
         if missed is _NO_SCRIPT:
             return False
+        memo = self._memo
         for i in missed:  # gone, or replaced meanwhile: nothing renewed, nothing to remember
-            self._memo.pop(tagged[int(i) - 1], None)
+            key, entry = tagged[int(i) - 1], entries[int(i) - 1]
+            if memo.get(key) is entry:  # (not a record a turn of this process wrote since)
+                del memo[key]
         return True
 
     async def delete(self, key: str) -> ConversationRecord | None:

@@ -16,6 +16,7 @@ from typing import Any
 import aiohttp
 import orjson
 from aiohttp import web
+from tenacity import AsyncRetrying
 
 from kvlease.protocol import (
     CONTROL_AUTH_HEADER,
@@ -103,6 +104,10 @@ class RouterRuntime:
         #: The store answers without I/O (in-process): a stream's last events can wait for the
         #: capture and leave with ``[DONE]`` in one write.
         self.store_is_local = bool(getattr(self.store, "local", False))
+        #: The app's upstream retry policy (``create_app`` sets it; ``None``: read from the app).
+        self.retry_policy: AsyncRetrying | None = None
+        #: (the plan they were computed from, the response headers that depend only on it).
+        self.fixed_headers: tuple[ClusterPlan | None, dict[str, str]] | None = None
 
     # ---- derived configuration ---------------------------------------------------------------
     @property

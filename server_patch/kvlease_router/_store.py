@@ -75,12 +75,10 @@ class ConversationRecord:
         return self.expires_at - now
 
     def with_expiry(self, expires_at: float) -> ConversationRecord:
-        """This record with another lease end (a renewal: cheaper than ``replace`` when a renew
-        rewrites thousands)."""
-        new = object.__new__(ConversationRecord)
-        fields = new.__dict__
-        fields.update(self.__dict__)
-        fields["expires_at"] = expires_at
+        """This record with another lease end (cheaper than ``replace``), its fields inline (see
+        :func:`own_copy`)."""
+        new = own_copy(self)
+        object.__setattr__(new, "expires_at", expires_at)
         return new
 
     def without_handle(self) -> ConversationRecord:
@@ -94,20 +92,19 @@ class ConversationRecord:
         try:
             data = orjson.loads(raw)
             params = data["params"]
-            # the fields set as ``__init__`` sets them, without a frozen dataclass's per-field
-            # ``object.__setattr__`` (a renew on Redis reads thousands)
+            # the fields set one by one as ``__init__`` sets them, so they stay inline (see
+            # :func:`own_copy`: the Redis store's memo keeps this object, and every renew reads it)
             rec = object.__new__(cls)
-            rec.__dict__.update(
-                decode=_opt_str(data["decode"]),
-                params=params if isinstance(params, dict) else None,
-                lease_id=_opt_str(data["lease_id"]),
-                control=_opt_str(data["control"]),
-                tokens=int(data["tokens"]),
-                expires_at=float(data["expires_at"]),
-                continuity=_opt_str(data.get("continuity")),
-                prefix_len=int(data.get("prefix_len", 0)),
-                turns=int(data.get("turns", 1)),
-            )
+            set_ = object.__setattr__
+            set_(rec, "decode", _opt_str(data["decode"]))
+            set_(rec, "params", params if isinstance(params, dict) else None)
+            set_(rec, "lease_id", _opt_str(data["lease_id"]))
+            set_(rec, "control", _opt_str(data["control"]))
+            set_(rec, "tokens", int(data["tokens"]))
+            set_(rec, "expires_at", float(data["expires_at"]))
+            set_(rec, "continuity", _opt_str(data.get("continuity")))
+            set_(rec, "prefix_len", int(data.get("prefix_len", 0)))
+            set_(rec, "turns", int(data.get("turns", 1)))
             return rec
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
             raise StoreError(f"corrupt state entry: {e}") from e
@@ -276,6 +273,18 @@ def _same(a: str, b: str) -> bool:
         return False
 
 
+def own_copy(state: ConversationRecord) -> ConversationRecord:
+    """A store's own copy of a record, its fields set one by one as ``__init__`` sets them (not
+    through ``__dict__``): CPython then keeps them inline, and a renew's thousands of reads of them
+    (``plan_renew``) are faster than through a dict (asking an object for its ``__dict__``, as
+    this does of ``state``, moves its fields into one for good)."""
+    new = object.__new__(ConversationRecord)
+    set_ = object.__setattr__
+    for name, value in state.__dict__.items():
+        set_(new, name, value)
+    return new
+
+
 class StateStore(Protocol):
     """Where conversation state lives between turns (TTL semantics in the module docstring)."""
 
@@ -324,15 +333,7 @@ class MemoryStore:
         """Run an iterator to its end (the per-id work of a ``map`` in C, no Python loop)."""
         deque(it, maxlen=0)
 
-    @staticmethod
-    def _own_copy(state: ConversationRecord) -> ConversationRecord:
-        """The store's own copy of a record, its fields set one by one as ``__init__`` sets them
-        (not through ``__dict__``): CPython then keeps them inline, and a renew's thousands of
-        reads of them (``plan_renew``) are faster than through a dict."""
-        new = object.__new__(ConversationRecord)
-        for name, value in state.__dict__.items():
-            object.__setattr__(new, name, value)
-        return new
+    _own_copy = staticmethod(own_copy)
 
     def __init__(self, max_entries: int = 100_000, clock: Callable[[], float] = time.monotonic) -> None:
         if max_entries < 1:

@@ -12,6 +12,7 @@ does the IO around them. Table-driven tests: ``tests/server_patch/router/test_ro
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -33,6 +34,7 @@ __all__ = [
     "TurnFacts",
     "TurnOutcome",
     "TurnPlan",
+    "first_attempt",
     "next_attempt",
     "plan",
     "record",
@@ -233,6 +235,12 @@ class Attempt:
     @property
     def wait(self) -> float:
         return RESEND_WAIT_S if self.step is Step.RESEND else 0.0
+
+
+@functools.lru_cache(maxsize=64)
+def first_attempt(prefill: bool, n_nodes: int, handle: bool) -> Attempt:
+    """The first attempt of a call (immutable: one per shape, not one per turn)."""
+    return Attempt(prefill=prefill, n_nodes=n_nodes, handle=handle)
 
 
 def next_attempt(a: Attempt, failure: Failure) -> Attempt | None:
