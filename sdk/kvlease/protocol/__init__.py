@@ -11,7 +11,7 @@ parsed once, here, at the edge, and anything malformed raises :class:`ProtocolEr
 
 The contract is split by concern, and every name is re-exported here: ``_api`` (identity, headers,
 statuses, the lease API), ``_handle`` (``kv_transfer_params`` and the kvlease sub-object with its
-hashes and MAC), ``_staging`` (the workers' staging side channel of staged pulls, used by the
+MAC; its block hashes in ``_hashes``), ``_staging`` (the workers' staging side channel of staged pulls, used by the
 connector's workers only, not re-exported), ``_control`` (the connector's control endpoint), ``_turnlog`` (the turn log) and
 ``_common`` (version, errors, field readers).
 """

@@ -79,11 +79,22 @@ RENEW_MAX_IDS: Final = 10_000
 
 
 def _is_number(v: object) -> TypeGuard[int | float]:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    """A finite int or float, not a bool. An int too large for a float (``json`` reads any length
+    of digits) is not one: ``math.isfinite`` would raise ``OverflowError`` on it."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
 
 
 def _int_field(data: Mapping[str, Any], name: str, lo: int, hi: int) -> int:
-    v = data.get(name)
+    return _int_value(data.get(name), name, lo, hi)
+
+
+def _int_value(v: object, name: str, lo: int, hi: int) -> int:
+    """``v`` (the value of field ``name``) if it is an integer in ``[lo, hi]``, else ProtocolError."""
     if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
         raise ProtocolError(f"{name} must be an integer in [{lo}, {hi}], got {v!r}")
     return v

@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
-import math
+import sys
 from array import array
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
-from typing import Any, ClassVar, Final, TypeGuard
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, replace
+from dataclasses import fields as _fields
+from typing import Any, ClassVar, Final, TypeGuard, TypeVar
 from urllib.parse import urlsplit
 
-from kvlease.protocol._common import PROTOCOL_VERSION, ProtocolError, _int_field
+from kvlease.protocol._common import PROTOCOL_VERSION, ProtocolError, _int_value, _is_number
+from kvlease.protocol._hashes import _HASH_DOMAIN as _HASH_DOMAIN
+from kvlease.protocol._hashes import _TAIL_TAG as _TAIL_TAG
+from kvlease.protocol._hashes import BLOCK_HASH_BYTES as BLOCK_HASH_BYTES
+from kvlease.protocol._hashes import _hash_seed as _hash_seed
+from kvlease.protocol._hashes import block_hashes as block_hashes
+from kvlease.protocol._hashes import common_prefix_blocks as common_prefix_blocks
+from kvlease.protocol._hashes import mm_digest as mm_digest
+from kvlease.protocol._hashes import tail_hash as tail_hash
 
 # --------------------------------------------------------------------------------------------------
 # Router -> vLLM: vLLM's own P/D protocol (kv_transfer_params) plus the kvlease sub-object
@@ -53,61 +61,6 @@ PREFILL_REUSED_TOKENS: Final = "reused_tokens"
 PREFILL_REUSE_STATUS: Final = "reuse"
 
 
-#: Domain separation for block hashes; bump with PROTOCOL_VERSION if the scheme changes.
-_HASH_DOMAIN: Final = b"kvlease/block-hash/v1"
-BLOCK_HASH_BYTES: Final = 16
-
-
-def block_hashes(token_ids: Sequence[int], block_size: int, salt: str | None = None) -> list[str]:
-    """Chained hashes of the *full* blocks of ``token_ids`` (a partial last block is not hashed).
-
-    ``h[i] = sha256(h[i-1] || int32le(tokens of block i))[:16]`` with ``h[-1] = sha256(domain ||
-    salt)``. Equal hash at index ``i`` means equal tokens in blocks ``0..i`` (up to SHA-256
-    collisions), so the longest common prefix of two hash lists is the longest common token prefix
-    in whole blocks. ``cache_salt`` seeds the chain, so two tenants' blocks never match.
-    """
-    if block_size <= 0:
-        raise ProtocolError("block_size must be positive")
-    parent = _hash_seed(salt)
-    out: list[str] = []
-    n_full = len(token_ids) // block_size
-    for i in range(n_full):
-        chunk = array("i", token_ids[i * block_size : (i + 1) * block_size]).tobytes()
-        parent = hashlib.sha256(parent + chunk).digest()[:BLOCK_HASH_BYTES]
-        out.append(parent.hex())
-    return out
-
-
-def _hash_seed(salt: str | None) -> bytes:
-    return hashlib.sha256(_HASH_DOMAIN + b"\x00" + (salt or "").encode("utf-8")).digest()[:BLOCK_HASH_BYTES]
-
-
-def tail_hash(tail_token_ids: Sequence[int], parent: str | None, salt: str | None = None) -> str:
-    """Hash of a *partial* last block, chained on the hash of the last full block before it.
-
-    ``parent`` is that full block's hash (hex), or ``None`` when the sequence is shorter than one
-    block (the chain's salted seed is used). A tag keeps it apart from full-block hashes, so equal
-    tails mean equal tokens up to the very last one D computed: P may then pull the partial block
-    too instead of recomputing up to ``block_size - 1`` tokens.
-    """
-    base = _hash_seed(salt) if parent is None else bytes.fromhex(parent)
-    chunk = array("i", tail_token_ids).tobytes()
-    return hashlib.sha256(base + _TAIL_TAG + chunk).digest()[:BLOCK_HASH_BYTES].hex()
-
-
-_TAIL_TAG: Final = b"\x01tail"
-
-
-def common_prefix_blocks(ours: Sequence[str], theirs: Sequence[str]) -> int:
-    """Number of leading blocks whose chained hashes agree."""
-    n = 0
-    for a, b in zip(ours, theirs):
-        if a != b:
-            break
-        n += 1
-    return n
-
-
 #: Key of an HMAC-SHA256 (hex) that D adds to its ``kvlease`` object when its control secret is set:
 #: over the handle's routing fields and the rest of the ``kvlease`` object, keyed by the shared
 #: control secret. P refuses a handle whose MAC is missing or wrong (a client edited it).
@@ -119,21 +72,7 @@ LEASE_HANDLE_MM: Final = "mm"
 #: ranks' staging listener (on the handle's ``remote_host``), absent when D cannot stage (an older
 #: kvlease, stock vLLM, staging off). Covered by the MAC: it tells P's worker where to connect.
 LEASE_HANDLE_STAGING: Final = "staging"
-_MM_DOMAIN: Final = b"kvlease/mm/v1"
-
-
-def mm_digest(features: Sequence[tuple[int, int, str]]) -> str | None:
-    """Digest of multimodal features ``(offset, length, identifier)`` (vLLM's ``mm_hash``), or None.
-
-    Order-independent over the features given; ``None`` for none. Two sequences with equal tokens
-    and equal digests carry the same images/audio at the same placeholder positions.
-    """
-    if not features:
-        return None
-    h = hashlib.sha256(_MM_DOMAIN)
-    for offset, length, ident in sorted(features):
-        h.update(f"{offset}:{length}:{len(ident)}:".encode() + ident.encode("utf-8", "replace"))
-    return h.digest()[:BLOCK_HASH_BYTES].hex()
+_HEX_LEN: Final = 2 * BLOCK_HASH_BYTES  # a block hash, tail hash or mm digest, in hex
 
 
 @dataclass(frozen=True)
@@ -193,63 +132,81 @@ class LeaseHandleExt:
 
     @classmethod
     def from_json(cls, data: object) -> LeaseHandleExt:
-        if not isinstance(data, Mapping):
+        # The field-at-a-time checks, in their order and with their messages; a value of the exact
+        # builtin type a JSON decoder gives takes the cheap test first (every handle passes here:
+        # the router parses D's on each turn, P verifies it).
+        if type(data) is not dict and not isinstance(data, Mapping):
             raise ProtocolError("kvlease must be an object")
-        version = data.get("v")
+        get = data.get
+        version = get("v")
         if version != PROTOCOL_VERSION:
             raise ProtocolError(f"kvlease.v is {version!r}; this build speaks {PROTOCOL_VERSION}")
-        bs = _int_field(data, "block_size", 1, 1 << 16)
-        nt = _int_field(data, "num_tokens", 0, 1 << 31)
-        hashes = data.get("hashes")
+        bs = get("block_size")
+        if type(bs) is not int or not 1 <= bs <= 1 << 16:
+            bs = _int_value(bs, "block_size", 1, 1 << 16)
+        nt = get("num_tokens")
+        if type(nt) is not int or not 0 <= nt <= 1 << 31:
+            nt = _int_value(nt, "num_tokens", 0, 1 << 31)
+        hashes = get("hashes")
         if not isinstance(hashes, list) or len(hashes) > cls.MAX_BLOCKS:
             raise ProtocolError("kvlease.hashes must be a list of hex strings")
         for h in hashes:
-            if not isinstance(h, str) or len(h) != 2 * BLOCK_HASH_BYTES:
+            if not isinstance(h, str) or len(h) != _HEX_LEN:
                 raise ProtocolError("kvlease.hashes must be a list of 32-character hex strings")
         if len(hashes) > nt // bs:
             raise ProtocolError("kvlease.hashes covers more blocks than num_tokens")
-        tail = data.get("tail")
-        if tail is not None and (
-            not isinstance(tail, str) or len(tail) != 2 * BLOCK_HASH_BYTES or nt % bs == 0
-        ):
+        tail = get("tail")
+        if tail is not None and (not isinstance(tail, str) or len(tail) != _HEX_LEN or nt % bs == 0):
             raise ProtocolError("kvlease.tail must be null or a 32-character hex string (partial block only)")
-        lease_id = data.get("lease_id")
+        lease_id = get("lease_id")
         if not isinstance(lease_id, str) or not lease_id or len(lease_id) > 512:
             raise ProtocolError("kvlease.lease_id must be a non-empty string")
-        engine_id = data.get("engine_id")
-        control = data.get("control")
+        engine_id = get("engine_id")
+        control = get("control")
         if isinstance(control, str):
-            _check_control_url(control)
-        mac = data.get(LEASE_HANDLE_MAC)
+            if type(control) is not str or control not in _GOOD_CONTROLS:
+                _check_control_url(control)
+        else:
+            control = None
+        mac = get(LEASE_HANDLE_MAC)
         if mac is not None and not isinstance(mac, str):
             raise ProtocolError("kvlease.mac must be a hex string")
-        lora = data.get(LEASE_HANDLE_LORA)
+        lora = get(LEASE_HANDLE_LORA)
         if lora is not None and (not isinstance(lora, str) or not lora or len(lora) > _MAX_ID_LEN):
             raise ProtocolError("kvlease.lora must be a non-empty string")
-        mm = data.get(LEASE_HANDLE_MM)
-        if mm is not None and (not isinstance(mm, str) or len(mm) != 2 * BLOCK_HASH_BYTES):
+        mm = get(LEASE_HANDLE_MM)
+        if mm is not None and (not isinstance(mm, str) or len(mm) != _HEX_LEN):
             raise ProtocolError("kvlease.mm must be a 32-character hex string")
-        staging = data.get(LEASE_HANDLE_STAGING)
-        if staging is not None and (
-            not isinstance(staging, list)
-            or not 0 < len(staging) <= cls.MAX_STAGING_RANKS
-            or not all(_is_int(p) and 0 < p < 65536 for p in staging)
-        ):
-            raise ProtocolError("kvlease.staging must be a non-empty list of TCP ports")
-        return cls(
-            block_size=bs,
-            num_tokens=nt,
-            hashes=tuple(hashes),
-            lease_id=lease_id,
-            engine_id=engine_id if isinstance(engine_id, str) else None,
-            control=control if isinstance(control, str) else None,
-            version=PROTOCOL_VERSION,
-            tail=tail,
-            mac=mac,
-            lora=lora,
-            mm=mm,
-            staging=tuple(staging) if staging is not None else None,
-        )
+        staging = get(LEASE_HANDLE_STAGING)
+        if staging is not None:
+            if (
+                not isinstance(staging, list)
+                or not 0 < len(staging) <= cls.MAX_STAGING_RANKS
+                or not all(_is_int(p) and 0 < p < 65536 for p in staging)
+            ):
+                raise ProtocolError("kvlease.staging must be a non-empty list of TCP ports")
+            staging = tuple(staging)
+        attrs: dict[str, Any] = {
+            "block_size": bs,
+            "num_tokens": nt,
+            "hashes": tuple(hashes),
+            "lease_id": lease_id,
+            "engine_id": engine_id if isinstance(engine_id, str) else None,
+            "control": control,
+            "version": PROTOCOL_VERSION,
+            "tail": tail,
+            "mac": mac,
+            "lora": lora,
+            "mm": mm,
+            "staging": staging,
+        }
+        return _built(cls, attrs) if cls is LeaseHandleExt else cls(**attrs)
+
+
+#: Control URLs that passed :func:`_check_control_url` (a few per deployment: one per decode node),
+#: so the URL of every handle is not split again; bounded, emptied when full.
+_GOOD_CONTROLS: Final[dict[str, None]] = {}
+_GOOD_CONTROLS_MAX: Final = 256
 
 
 def _check_control_url(control: str) -> None:
@@ -260,6 +217,25 @@ def _check_control_url(control: str) -> None:
         raise ProtocolError("kvlease.control is not a URL") from None
     if url.scheme not in ("http", "https") or not host:
         raise ProtocolError(f"kvlease.control {control!r} is not an http(s) URL")
+    if type(control) is str:
+        if len(_GOOD_CONTROLS) >= _GOOD_CONTROLS_MAX:
+            _GOOD_CONTROLS.clear()
+        _GOOD_CONTROLS[control] = None
+
+
+_T = TypeVar("_T")
+
+
+def _built(cls: type[_T], attrs: dict[str, Any]) -> _T:
+    """An instance of the frozen dataclass ``cls`` (TransferParams or LeaseHandleExt itself, not a
+    subclass) with every field's default and then ``attrs``, set without the generated ``__init__``
+    (one ``object.__setattr__`` call per field): the parsers give it checked values only, which
+    ``__post_init__`` would leave as they are. Equal, in every field, to ``cls(**attrs)``."""
+    obj = object.__new__(cls)
+    d = obj.__dict__
+    d.update(_DEFAULTS[cls])
+    d.update(attrs)
+    return obj
 
 
 @dataclass(frozen=True)
@@ -283,10 +259,10 @@ class PrefillReport:
 
     @classmethod
     def from_json(cls, data: object) -> PrefillReport:
-        if not isinstance(data, Mapping):
+        if type(data) is not dict and not isinstance(data, Mapping):
             raise ProtocolError("P's kvlease report must be an object")
         tokens = data.get(PREFILL_REUSED_TOKENS)
-        if not _is_int(tokens) or tokens < 0:
+        if (type(tokens) is not int and not _is_int(tokens)) or tokens < 0:
             raise ProtocolError(f"{PREFILL_REUSED_TOKENS} must be a non-negative integer")
         reuse = data.get(PREFILL_REUSE_STATUS)
         return cls(tokens, reuse if isinstance(reuse, str) else None)
@@ -351,80 +327,88 @@ class TransferParams:
 
     def to_json(self) -> dict[str, Any]:
         """The wire dict (a fresh one, every call)."""
+        d = self.__dict__
+        nulls = self.nulls
         out: dict[str, Any] = {}
-        for key, attr in _ATTR.items():
-            value = getattr(self, attr)
-            if value is None:
-                if key in self.nulls:
-                    out[key] = None
-                continue
-            if key == KV.REMOTE_BLOCK_IDS:
-                value = [list(g) for g in value] if self.grouped or not value else list(value[0])
-            elif key == KV.KVLEASE:
-                value = value.to_json()
-            out[key] = value
+        for key, attr in _ATTR_ITEMS:
+            value = d[attr]
+            if value is not None:
+                out[key] = value
+            elif key in nulls:
+                out[key] = None
+        ids = self.block_ids
+        if ids is not None:  # replaced in place: the key keeps its position
+            out[KV.REMOTE_BLOCK_IDS] = [list(g) for g in ids] if self.grouped or not ids else list(ids[0])
+        if self.kvlease is not None:
+            out[KV.KVLEASE] = self.kvlease.to_json()
         out.update(self.extra)
         return out
 
     @classmethod
     def from_json(cls, data: object) -> TransferParams:
-        if not isinstance(data, Mapping):
+        # Checks in a fixed order (the first bad field names the error); a value of the exact type a
+        # JSON decoder gives takes the cheap test first. Every handle passes here, on every turn.
+        if type(data) is not dict and not isinstance(data, Mapping):
             raise ProtocolError(f"{KV_TRANSFER_PARAMS} must be an object")
         fields: dict[str, Any] = {}
         nulls: set[str] = set()
         extra: list[tuple[str, Any]] = []
+        attr_of = _ATTR.get
         for key, value in data.items():
-            attr = _ATTR.get(key)
+            attr = attr_of(key)
             if attr is None:
                 extra.append((key, value))
             elif value is None:
                 nulls.add(key)
             else:
                 fields[attr] = value
+        get = fields.get
         for name in (KV.DO_REMOTE_DECODE, KV.DO_REMOTE_PREFILL):
-            if not isinstance(fields.get(name, False), bool):
+            if type(get(name, False)) is not bool:  # bool has no subclasses
                 raise ProtocolError(f"{name} must be true or false")
         for key in (KV.REMOTE_ENGINE_ID, KV.REMOTE_REQUEST_ID):
-            v = fields.get(_ATTR[key])
+            v = get(_ATTR[key])
             if v is not None and (not isinstance(v, str) or not v or len(v) > _MAX_ID_LEN):
                 raise ProtocolError(f"{key} must be a non-empty string")
-        host = fields.get("host")
+        host = get("host")
         if host is not None and (not isinstance(host, str) or not host):
             raise ProtocolError(f"{KV.REMOTE_HOST} must be a non-empty string, got {host!r}")
-        port = fields.get("port")
-        if port is not None and (not _is_int(port) or not 0 < port < 65536):
+        port = get("port")
+        if port is not None and ((type(port) is not int and not _is_int(port)) or not 0 < port < 65536):
             raise ProtocolError(f"{KV.REMOTE_PORT} must be an integer in [1, 65535], got {port!r}")
         for key in PARALLEL_FIELDS:
-            v = fields.get(key)
-            if key in nulls or (v is not None and (not _is_int(v) or not 1 <= v <= _MAX_PARALLEL)):
+            v = get(key)
+            if key in nulls or (
+                v is not None and ((type(v) is not int and not _is_int(v)) or not 1 <= v <= _MAX_PARALLEL)
+            ):
                 raise ProtocolError(f"{key} must be an integer in [1, {_MAX_PARALLEL}], got {v!r}")
-        rbs = fields.get("remote_block_size")
+        rbs = get("remote_block_size")
         if KV.REMOTE_BLOCK_SIZE in nulls or (
-            rbs is not None and (not _is_int(rbs) or not 1 <= rbs <= 1 << 16)
+            rbs is not None and ((type(rbs) is not int and not _is_int(rbs)) or not 1 <= rbs <= 1 << 16)
         ):
             raise ProtocolError(f"{KV.REMOTE_BLOCK_SIZE} must be an integer in [1, 65536], got {rbs!r}")
-        gen = fields.get("registration_generation")
-        if gen is not None and (not _is_int(gen) or not 0 <= gen < 1 << 63):
+        gen = get("registration_generation")
+        if gen is not None and ((type(gen) is not int and not _is_int(gen)) or not 0 <= gen < 1 << 63):
             raise ProtocolError(f"{KV.REMOTE_REGISTRATION_GENERATION} must be a non-negative integer")
-        nt = fields.get("num_tokens")
-        if nt is not None and (not _is_int(nt) or not 0 <= nt <= 1 << 31):
+        nt = get("num_tokens")
+        if nt is not None and ((type(nt) is not int and not _is_int(nt)) or not 0 <= nt <= 1 << 31):
             raise ProtocolError(f"{KV.REMOTE_NUM_TOKENS} must be a non-negative integer")
-        expiry = fields.get("expiry")
-        if expiry is not None and not (
-            isinstance(expiry, (int, float)) and not isinstance(expiry, bool) and math.isfinite(expiry)
-        ):
+        expiry = get("expiry")
+        if expiry is not None and not _is_number(expiry):
             raise ProtocolError(f"{KV.REMOTE_BLOCKS_EXPIRY_TIME} must be a number or null")
         if "block_ids" in fields:
             fields["block_ids"], fields["grouped"] = _block_ids(fields["block_ids"])
         if "kvlease" in fields:
             ext = fields["kvlease"] = LeaseHandleExt.from_json(fields["kvlease"])
-            if ext.engine_id is not None and fields.get("engine_id", ext.engine_id) != ext.engine_id:
+            if ext.engine_id is not None and get("engine_id", ext.engine_id) != ext.engine_id:
                 raise ProtocolError(f"{KV.REMOTE_ENGINE_ID} does not match kvlease.engine_id")
-            if fields.get("request_id", ext.lease_id) != ext.lease_id:
+            if get("request_id", ext.lease_id) != ext.lease_id:
                 raise ProtocolError(f"{KV.REMOTE_REQUEST_ID} does not match kvlease.lease_id")
             if rbs is not None and rbs != ext.block_size:
                 raise ProtocolError(f"{KV.REMOTE_BLOCK_SIZE} {rbs} does not match kvlease.block_size")
-        return cls(**fields, nulls=frozenset(nulls), extra=tuple(extra))
+        fields["nulls"] = frozenset(nulls)
+        fields["extra"] = tuple(extra)
+        return _built(cls, fields) if cls is TransferParams else cls(**fields)
 
     # ---- new handles from this one (the wire dict is never edited in place) ------------------
     def for_pull(self) -> TransferParams:
@@ -464,27 +448,42 @@ _ATTR: Final[dict[str, str]] = {
     KV.REMOTE_REGISTRATION_GENERATION: "registration_generation",
     KV.KVLEASE: "kvlease",
 }
-
+_ATTR_ITEMS: Final = tuple(_ATTR.items())
+#: Each field's default, of the types :func:`_built` makes.
+_DEFAULTS: Final[dict[type, dict[str, Any]]] = {
+    c: {f.name: f.default for f in _fields(c) if f.default is not MISSING}
+    for c in (LeaseHandleExt, TransferParams)
+}
 
 _INT: Final = frozenset((int,))
+#: Index of the most significant byte of each item of an ``array("I")`` (4-byte items), or -1 where
+#: unsigned int is not 4 bytes (or the bound not 2**31): :func:`_ids_ok` then uses ``min`` / ``max``.
+_U32_TOP: Final = (
+    (3 if sys.byteorder == "little" else 0) if array("I").itemsize == 4 and _MAX_BLOCK_ID == 1 << 31 else -1
+)
 
 
 def _ids_ok(ids: list[Any]) -> bool:
-    """Every id an exact ``int`` in range (``ids`` not empty, not over the bound), in C-level passes."""
-    return (
-        len(ids) <= LeaseHandleExt.MAX_BLOCKS
-        and set(map(type, ids)) == _INT
-        and min(ids) >= 0
-        and max(ids) < _MAX_BLOCK_ID
-    )
+    """Every id an exact ``int`` in range (``ids`` not empty, not over the bound), in C-level passes.
+
+    ``array("I", ids)`` takes exactly the ints in ``[0, 2**32)`` (OverflowError for any other), and
+    an id under ``2**31`` (:data:`_MAX_BLOCK_ID`) is one whose top byte is ASCII (below 0x80)."""
+    if len(ids) > LeaseHandleExt.MAX_BLOCKS or set(map(type, ids)) != _INT:
+        return False
+    if _U32_TOP < 0:
+        return bool(min(ids) >= 0 and max(ids) < _MAX_BLOCK_ID)
+    try:
+        return array("I", ids).tobytes()[_U32_TOP::4].isascii()
+    except OverflowError:
+        return False
 
 
 def _block_ids(raw: object) -> tuple[tuple[tuple[int, ...], ...], bool]:
     """(groups, grouped) of ``remote_block_ids``: a list of per-group lists, or one flat list.
 
     Every handle passes here (the router parses each turn's twice, P once), with a few hundred ids
-    each: the common wire shapes (non-empty lists of exact ``int`` ids) are checked with ``map``,
-    ``min`` and ``max``; anything else goes to :func:`_block_ids_checked`, which decides what is
+    each: the common wire shapes (non-empty lists of exact ``int`` ids) are checked by :func:`_ids_ok`
+    in C-level passes; anything else goes to :func:`_block_ids_checked`, which decides what is
     accepted and why not (the two give the same result wherever both apply: a property test)."""
     if type(raw) is list and raw and len(raw) <= LeaseHandleExt.MAX_BLOCKS:
         if type(raw[0]) is list:

@@ -205,6 +205,8 @@ def test_mooncake_session_rule(requests: list[tuple[list[int], int]], sessions: 
             "completion_tokens",
         ),
         ('{"conversation_id": "a", "ts": 1, "prompt_tokens": 3', "not valid JSON"),
+        # an integer too large for a float: a malformed line, not a crash
+        ('{"conversation_id": "a", "ts": 1' + "0" * 400 + ', "prompt_tokens": 1}', "not valid JSON"),
     ],
 )
 def test_malformed_request_lines(tmp_path: Path, line: str, message: str) -> None:
