@@ -3,6 +3,7 @@ front of it, and helpers (a module of its own: ``conftest`` is a name several te
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -81,3 +82,49 @@ async def one_route_upstream(
         yield url
     finally:
         await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def guarded_site(
+    config: Any = None, **settings: Any
+) -> AsyncIterator[tuple[int, FakePair, web.Application]]:
+    """The router behind its guarded server (``start_site``: real sockets, header, body and idle
+    timeouts) in front of a fake pair (``config``: a ``FakeConfig``, default: no token delay, 4
+    tokens), with ``settings`` over short test defaults; yields (port, pair, app)."""
+    from kvlease_router import MemoryStore, NodeSpec, create_app
+    from kvlease_router._guard import start_site, stop_site
+    from kvlease_stack.testing import FakeConfig
+
+    pair = await FakePair(config or FakeConfig(token_delay=0.0, default_max_tokens=4)).__aenter__()
+    try:
+        s = RouterSettings(
+            prefill=(NodeSpec(pair.prefill.url, pair.prefill.control),),
+            decode=(NodeSpec(pair.decode.url, pair.decode.control),),
+            **{
+                "control_secret": SECRET,
+                "key_secret": "k",
+                "startup_timeout": 5.0,
+                "health_interval": 3600.0,
+                **settings,
+            },
+        )
+        app = create_app(s, MemoryStore(100))
+        runner, server = await start_site(app, s, "127.0.0.1", 0)
+        try:
+            yield server.sockets[0].getsockname()[1], pair, app
+        finally:
+            await stop_site(runner, server)
+    finally:
+        await pair.__aexit__(None, None, None)
+
+
+async def closed_within(reader: Any, seconds: float) -> bool:
+    """Whether the server closes the connection of ``reader`` (an ``asyncio.StreamReader``) within
+    ``seconds`` (what it sends meanwhile is read and dropped)."""
+    try:
+        async with asyncio.timeout(seconds):
+            while await reader.read(65536):
+                pass
+        return True
+    except (TimeoutError, ConnectionError):
+        return False

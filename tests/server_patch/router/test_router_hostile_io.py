@@ -16,15 +16,14 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
-from _router_cluster import Cluster, ClusterFactory, one_route_upstream
+from _router_cluster import Cluster, ClusterFactory, closed_within, guarded_site, one_route_upstream
 from aiohttp import web
 
 from kvlease.protocol import HEADER_SESSION_ID, KV_TRANSFER_PARAMS, ErrorBody
-from kvlease_router import MemoryStore, NodeSpec, RouterSettings, create_app
-from kvlease_router._guard import GUARD_KEY, start_site, stop_site
+from kvlease_router._guard import GUARD_KEY
 from kvlease_router._identity import conversation_id_from, fallback_id
 from kvlease_router._logs import ClientErrorFilter, RateLimit
-from kvlease_stack.testing import FakeConfig, FakePair
+from kvlease_stack.testing import FakePair
 
 CHAT = "/v1/chat/completions"
 GOOD = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
@@ -292,38 +291,14 @@ def test_json_logs_keep_the_exception() -> None:
 
 @pytest.fixture
 async def guarded() -> AsyncIterator[tuple[str, int, FakePair, Any]]:
-    pair = await FakePair(FakeConfig(token_delay=0.0, default_max_tokens=4)).__aenter__()
-    settings = RouterSettings(
-        prefill=(NodeSpec(pair.prefill.url, pair.prefill.control),),
-        decode=(NodeSpec(pair.decode.url, pair.decode.control),),
-        control_secret="fake-secret",
-        key_secret="k",
-        startup_timeout=5.0,
+    async with guarded_site(
         header_timeout=0.5,
         body_timeout=0.5,
         idle_timeout=1.0,
         stream_write_timeout=0.5,
         max_connections_per_ip=8,
-        health_interval=3600.0,
-    )
-    app = create_app(settings, MemoryStore(100))
-    runner, server = await start_site(app, settings, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    try:
+    ) as (port, pair, app):
         yield "127.0.0.1", port, pair, app
-    finally:
-        await stop_site(runner, server)
-        await pair.__aexit__(None, None, None)
-
-
-async def _closed_within(reader: asyncio.StreamReader, seconds: float) -> bool:
-    try:
-        async with asyncio.timeout(seconds):
-            while await reader.read(65536):
-                pass
-        return True
-    except (TimeoutError, ConnectionError):
-        return False
 
 
 async def test_a_trickling_header_is_closed(guarded: Any) -> None:
@@ -340,7 +315,7 @@ async def test_a_trickling_header_is_closed(guarded: Any) -> None:
         except ConnectionError:
             break
         await asyncio.sleep(0.1)
-    assert await _closed_within(reader, 2.0)
+    assert await closed_within(reader, 2.0)
     assert time.monotonic() - t0 < 2.5
     writer.close()
 
@@ -352,14 +327,14 @@ async def test_a_trickling_body_gets_408(guarded: Any) -> None:
     await writer.drain()
     head = await asyncio.wait_for(reader.readline(), 3.0)
     assert b" 408 " in head
-    assert await _closed_within(reader, 2.0)
+    assert await closed_within(reader, 2.0)
     writer.close()
 
 
 async def test_an_idle_keepalive_connection_is_closed(guarded: Any) -> None:
     host, port, _, _ = guarded
     reader, writer = await asyncio.open_connection(host, port)
-    assert await _closed_within(reader, 3.0)  # idle_timeout = 1 s
+    assert await closed_within(reader, 3.0)  # idle_timeout = 1 s
     writer.close()
 
 
@@ -368,7 +343,7 @@ async def test_connections_per_ip_are_bounded(guarded: Any) -> None:
     conns = [await asyncio.open_connection(host, port) for _ in range(8)]
     await asyncio.sleep(0.1)
     extra_r, extra_w = await asyncio.open_connection(host, port)
-    assert await _closed_within(extra_r, 2.0)  # the 9th is closed at once
+    assert await closed_within(extra_r, 2.0)  # the 9th is closed at once
     assert app[GUARD_KEY].refused >= 1
     for _, w in conns:
         w.close()

@@ -17,12 +17,11 @@ from typing import Any
 
 import orjson
 import pytest
-from _router_cluster import Cluster, ClusterFactory
+from _router_cluster import Cluster, ClusterFactory, guarded_site
 
 from kvlease.protocol import ERROR_RATE_LIMITED, HEADER_RETRY_AFTER, RENEW_PATH, ErrorBody
-from kvlease_router import MemoryStore, NodeSpec, RouterSettings, StoreError, create_app
+from kvlease_router import NodeSpec, RouterSettings, StoreError
 from kvlease_router._app import ROUTER_KEY
-from kvlease_router._guard import start_site, stop_site
 from kvlease_router._ratelimit import TenantBuckets
 from kvlease_router._redis_store import RedisStore
 from kvlease_stack.testing import FakeConfig, FakePair
@@ -163,23 +162,8 @@ async def test_a_refused_connection_backs_off_at_once() -> None:
 
 @pytest.fixture
 async def long_streams() -> AsyncIterator[tuple[int, FakePair]]:
-    pair = await FakePair(FakeConfig(token_delay=0.0)).__aenter__()
-    settings = RouterSettings(
-        prefill=(NodeSpec(pair.prefill.url, pair.prefill.control),),
-        decode=(NodeSpec(pair.decode.url, pair.decode.control),),
-        control_secret="fake-secret",
-        key_secret="k",
-        startup_timeout=5.0,
-        stream_write_timeout=0.3,
-        health_interval=3600.0,
-    )
-    app = create_app(settings, MemoryStore(100))
-    runner, server = await start_site(app, settings, "127.0.0.1", 0)
-    try:
-        yield server.sockets[0].getsockname()[1], pair, app[ROUTER_KEY]
-    finally:
-        await stop_site(runner, server)
-        await pair.__aexit__(None, None, None)
+    async with guarded_site(FakeConfig(token_delay=0.0), stream_write_timeout=0.3) as (port, pair, app):
+        yield port, pair, app[ROUTER_KEY]
 
 
 async def test_a_client_that_never_reads_a_stream_is_cut_off(long_streams: Any) -> None:

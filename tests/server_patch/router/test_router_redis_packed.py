@@ -10,28 +10,21 @@ renewal reuses the entries of the read that answered it.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
 import pytest
+from _redis_records import KEY_SECRET, RENEWED_TO, SEALED_AT, P, record, redis_client, store_of  # noqa: F401 (redis_client: the "client" fixture)
 
-from kvlease_router import ConversationRecord, RedisStore, redis_client_from_url
+from kvlease_router import ConversationRecord
 from kvlease_router import _redis_store as redis_store
 from kvlease_router._lease_core import LeaseSettings, plan_renew, settle_renew
-from kvlease_stack.testing import RedisServer
 
-KEY_SECRET = "test-key-secret"
-P = "kvlease:conv:"
-SEALED_AT = 1_900_000_000.0
-RENEWED_TO = 1_950_000_000.0
 N = 80  # above the scripts' threshold
 
 
 def _rec(n: int = 0, expires_at: float = SEALED_AT) -> ConversationRecord:
-    return ConversationRecord(
-        "http://d", {"remote_block_ids": [1, n]}, f"lease-{n}", "http://c", 8, expires_at
-    )
+    return record(n, expires_at)
 
 
 def _unpacked(blob: str, widths: str, n: int) -> list[str]:
@@ -70,17 +63,6 @@ def test_a_tag_read_from_redis_is_kept_at_a_fixed_ascii_width() -> None:
         assert len(kept) == 32 and kept.isascii() and kept != planted
 
 
-@pytest.fixture
-async def client(redis_server: RedisServer) -> AsyncIterator[Any]:
-    c = redis_client_from_url(redis_server.url, 2.0)
-    yield c
-    await c.aclose()
-
-
-def _store(client: Any) -> RedisStore:
-    return RedisStore(client, secret=KEY_SECRET, timeout=2.0)
-
-
 @pytest.mark.redis
 @pytest.mark.parametrize(
     "make_key",
@@ -88,14 +70,14 @@ def _store(client: Any) -> RedisStore:
     ids=["uniform", "mixed", "non-ascii"],
 )
 async def test_keys_of_any_width_round_trip_through_both_scripts(client: Any, make_key: Any) -> None:
-    store = _store(client)
+    store = store_of(client)
     keys = [make_key(i) for i in range(N)]
     await store.put_many([(k, _rec(i), 30) for i, k in enumerate(keys)])
     read = await store.get_many(keys)
     assert read == [_rec(i) for i in range(N)]
     await store.renew_many(keys, read, RENEWED_TO, 42)
     want = [_rec(i, RENEWED_TO) for i in range(N)]
-    fresh = _store(client)  # no memo: every MAC checked
+    fresh = store_of(client)  # no memo: every MAC checked
     assert await fresh.get_many(keys) == want and fresh.rejected == 0
     assert await store.get_many(keys) == want  # the memo (answered "=" by the read script)
     assert 40_000 < await client.pttl(P + keys[N - 1]) <= 42_000
@@ -109,7 +91,7 @@ async def test_keys_of_any_width_round_trip_through_both_scripts(client: Any, ma
 @pytest.mark.redis
 @pytest.mark.parametrize("reader", ["fresh", "memo"])
 async def test_garbage_in_redis_reads_as_absent_and_the_rest_renews(client: Any, reader: str) -> None:
-    writer = _store(client)
+    writer = store_of(client)
     keys = [f"{i:064x}" for i in range(N)]
     await writer.put_many([(k, _rec(i), 30) for i, k in enumerate(keys)])
     await writer.get_many(keys)  # the writer remembers them all
@@ -124,7 +106,7 @@ async def test_garbage_in_redis_reads_as_absent_and_the_rest_renews(client: Any,
     # a good record with a tag that is not UTF-8: the record reads (with its JSON's lease end)
     seventh = await client.get(P + keys[7])
     await client.set(P + keys[7], seventh[:20] + b"\xfe" * 32 + seventh[52:])
-    store = _store(client) if reader == "fresh" else writer
+    store = store_of(client) if reader == "fresh" else writer
     gone = {0, 1, 2, 3, 4, 6}
     for _ in range(2):  # and again, from what the first read left in the memo
         got = await store.get_many(keys)
@@ -132,7 +114,7 @@ async def test_garbage_in_redis_reads_as_absent_and_the_rest_renews(client: Any,
     live = [i for i, r in enumerate(got) if r is not None]
     await store.renew_many([keys[i] for i in live], [got[i] for i in live], RENEWED_TO, 42)
     want = [None if i in gone else _rec(i, RENEWED_TO) for i in range(N)]
-    assert await _store(client).get_many(keys) == want and await store.get_many(keys) == want
+    assert await store_of(client).get_many(keys) == want and await store.get_many(keys) == want
     assert await client.type(P + keys[3]) == b"hash" and await client.get(P + keys[4]) == sealed
 
 
@@ -142,7 +124,7 @@ async def test_a_record_a_turn_of_this_process_replaced_after_the_read_is_not_ov
 ) -> None:
     """The renewal reuses the read's memo entries: the record a turn wrote since (same store, new
     entry) keeps its value in Redis and its entry in the memo."""
-    store = _store(client)
+    store = store_of(client)
     keys = [f"{i:064x}" for i in range(N)]
     await store.put_many([(k, _rec(i), 30) for i, k in enumerate(keys)])
     read = await store.get_many(keys)
@@ -153,7 +135,7 @@ async def test_a_record_a_turn_of_this_process_replaced_after_the_read_is_not_ov
     assert await client.get(P + keys[0]) == newer  # byte for byte
     assert keys[0] in store._memo
     want = [_rec(500), *(_rec(i, RENEWED_TO) for i in range(1, N))]
-    assert await store.get_many(keys) == want and await _store(client).get_many(keys) == want
+    assert await store.get_many(keys) == want and await store_of(client).get_many(keys) == want
 
 
 @pytest.mark.redis
@@ -161,7 +143,7 @@ async def test_a_renewal_of_a_read_the_memo_forgot_since_still_renews(
     client: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(redis_store, "MEMO_ENTRIES", N)
-    store = _store(client)
+    store = store_of(client)
     keys = [f"{i:064x}" for i in range(N)]
     await store.put_many([(k, _rec(i), 30) for i, k in enumerate(keys)])
     read = await store.get_many(keys)
@@ -170,22 +152,22 @@ async def test_a_renewal_of_a_read_the_memo_forgot_since_still_renews(
     await store.renew_many(keys, read, RENEWED_TO, 42)
     want = [_rec(i, RENEWED_TO) for i in range(N)]
     assert read == want
-    assert await _store(client).get_many(keys) == want and await store.get_many(keys) == want
+    assert await store_of(client).get_many(keys) == want and await store.get_many(keys) == want
 
 
 @pytest.mark.redis
 async def test_a_renewal_of_other_lists_than_the_read_looks_the_memo_up(client: Any) -> None:
-    store = _store(client)
+    store = store_of(client)
     keys = [f"{i:064x}" for i in range(N)]
     await store.put_many([(k, _rec(i), 30) for i, k in enumerate(keys)])
     read = await store.get_many(keys)
     # the same pairs in another order, then a caller's own (equal) records for half of them
     await store.renew_many(keys[::-1], read[::-1], RENEWED_TO, 42)
-    assert await _store(client).get_many(keys) == [_rec(i, RENEWED_TO) for i in range(N)]
+    assert await store_of(client).get_many(keys) == [_rec(i, RENEWED_TO) for i in range(N)]
     read = await store.get_many(keys)
     mixed = [*(_rec(i, RENEWED_TO) for i in range(N // 2)), *read[N // 2 :]]
     await store.renew_many(keys, mixed, RENEWED_TO + 60, 42)
-    assert await _store(client).get_many(keys) == [_rec(i, RENEWED_TO + 60) for i in range(N)]
+    assert await store_of(client).get_many(keys) == [_rec(i, RENEWED_TO + 60) for i in range(N)]
 
 
 # --- the lease core's bulk paths ------------------------------------------------------------------

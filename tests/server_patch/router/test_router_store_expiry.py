@@ -10,27 +10,20 @@ fallback and the in-process memo keep the contract, across replicas.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from _redis_records import KEY_SECRET, RENEWED_TO, SEALED_AT, P, record, redis_client, store_of  # noqa: F401 (redis_client: the "client" fixture)
 
-from kvlease_router import ConversationRecord, RedisStore, StoreError, redis_client_from_url
+from kvlease_router import ConversationRecord, RedisStore, StoreError
 from kvlease_router import _redis_store as redis_store
 from kvlease_router._store import RecordSeal
-from kvlease_stack.testing import RedisServer
 
-KEY_SECRET = "test-key-secret"
-P = "kvlease:conv:"
-SEALED_AT = 1_900_000_000.0
-RENEWED_TO = 1_950_000_000.0
 N = 100  # above the scripts' threshold
 
 
 def _rec(n: int = 0, expires_at: float = SEALED_AT) -> ConversationRecord:
-    return ConversationRecord(
-        "http://d", {"remote_block_ids": [1, n]}, f"lease-{n}", "http://c", 8 + n, expires_at
-    )
+    return record(n, expires_at, tokens=8 + n)
 
 
 def _part(raw: bytes | str) -> str:
@@ -102,20 +95,9 @@ def test_a_replayed_expiry_part_gives_only_a_lease_end_written_for_that_record()
 # --- on a real Redis ------------------------------------------------------------------------------
 
 
-@pytest.fixture
-async def client(redis_server: RedisServer) -> AsyncIterator[Any]:
-    c = redis_client_from_url(redis_server.url, 2.0)
-    yield c
-    await c.aclose()
-
-
-def _store(client: Any) -> RedisStore:
-    return RedisStore(client, secret=KEY_SECRET, timeout=2.0)
-
-
 async def _renewed(client: Any) -> tuple[RedisStore, list[str]]:
     """A store that wrote and renewed (through the script) ``N`` records."""
-    store = _store(client)
+    store = store_of(client)
     keys = [f"r{i}" for i in range(N)]
     await store.put_many([(k, _rec(i), 30) for i, k in enumerate(keys)])
     read = await store.get_many(keys)
@@ -125,7 +107,7 @@ async def _renewed(client: Any) -> tuple[RedisStore, list[str]]:
 
 @pytest.mark.redis
 async def test_a_scripted_renewal_rewrites_only_the_expiry_part(client: Any) -> None:
-    store = _store(client)
+    store = store_of(client)
     keys = [f"r{i}" for i in range(N)]
     await store.put_many([(k, _rec(i), 30) for i, k in enumerate(keys)])
     before = [await client.get(P + k) for k in keys]
@@ -138,7 +120,7 @@ async def test_a_scripted_renewal_rewrites_only_the_expiry_part(client: Any) -> 
     assert 40_000 < await client.pttl(P + keys[7]) <= 42_000
     want = [_rec(i, RENEWED_TO) for i in range(N)]
     assert read == want  # the records read were the store's own, renewed in place
-    fresh = _store(client)  # no memo: every MAC checked
+    fresh = store_of(client)  # no memo: every MAC checked
     assert await fresh.get_many(keys) == want and await fresh.get(keys[3]) == want[3]
     assert fresh.rejected == 0 and store.rejected == 0
     assert await store.get_many(keys) == want  # the memo answers the same
@@ -156,7 +138,7 @@ async def test_planted_or_moved_expiry_parts_in_redis_are_ignored(client: Any, r
     await client.setrange(P + keys[1], 3, _part(r2))  # moved from another record
     await client.setrange(P + keys[2], 3, "garbage" * 7)
     await client.set(P + keys[3], _with_part(r3, _part(r1)))  # the whole value, E.T of another
-    store = _store(client) if reader == "fresh" else writer
+    store = store_of(client) if reader == "fresh" else writer
     rejected = store.rejected
     got = await store.get_many(keys)
     assert got[:4] == [_rec(i) for i in range(4)]  # each with the lease end sealed in its JSON
@@ -169,7 +151,7 @@ async def test_planted_or_moved_expiry_parts_in_redis_are_ignored(client: Any, r
 @pytest.mark.redis
 async def test_a_replica_reads_another_replicas_renewal_with_one_tag_check(client: Any) -> None:
     a, keys = await _renewed(client)
-    b = _store(client)
+    b = store_of(client)
     assert await b.get_many(keys) == [_rec(i, RENEWED_TO) for i in range(N)]  # b now remembers them
     read = await a.get_many(keys)
     await a.renew_many(keys, read, RENEWED_TO + 60, 42)  # type: ignore[arg-type]
@@ -184,13 +166,13 @@ async def test_a_replica_reads_another_replicas_renewal_with_one_tag_check(clien
 @pytest.mark.redis
 async def test_a_scripted_renewal_leaves_a_record_replaced_or_released_meanwhile(client: Any) -> None:
     store, keys = await _renewed(client)
-    other = _store(client)  # another replica
+    other = store_of(client)  # another replica
     read = await store.get_many(keys)
     await other.put(keys[0], _rec(500), 30)  # a turn on the other replica
     await other.delete(keys[1])  # a release there
     await store.renew_many(keys, read, RENEWED_TO + 60, 42)  # type: ignore[arg-type]
     assert await client.exists(P + keys[1]) == 0
-    for reader in (store, _store(client)):
+    for reader in (store, store_of(client)):
         got = await reader.get_many(keys)
         assert got[0] == _rec(500) and got[1] is None
         assert got[2:] == [_rec(i, RENEWED_TO + 60) for i in range(2, N)]
@@ -205,7 +187,7 @@ async def test_records_the_memo_does_not_hold_are_resealed_whole(client: Any) ->
     await store.renew_many(keys, [*stranger[:50], *mine[50:]], RENEWED_TO + 60, 42)  # type: ignore[list-item]
     assert stranger[0] == _rec(0, RENEWED_TO)  # a caller's own record never changes
     want = [_rec(i, RENEWED_TO + 60) for i in range(N)]
-    assert await _store(client).get_many(keys) == want and await store.get_many(keys) == want
+    assert await store_of(client).get_many(keys) == want and await store.get_many(keys) == want
 
 
 @pytest.mark.redis
@@ -227,7 +209,7 @@ async def test_without_scripts_the_plain_commands_keep_the_contract(client: Any)
     await store.renew_many([keys[i] for i in live], [read[i] for i in live], RENEWED_TO, 42)  # type: ignore[misc]
     assert await client.exists(P + keys[9]) == 0
     want = [None if i == 9 else _rec(i, RENEWED_TO) for i in range(N)]
-    assert await store.get_many(keys) == want and await _store(client).get_many(keys) == want
+    assert await store.get_many(keys) == want and await store_of(client).get_many(keys) == want
     await client.setrange(P + keys[4], 3, f"{RecordSeal.expiry_code(RENEWED_TO + 9)}.{'0' * 32}")
     assert (await store.get_many(keys))[4] == _rec(4, RENEWED_TO)  # the JSON's: re-sealed whole
     assert store.rejected == 1
@@ -242,16 +224,16 @@ async def test_a_key_of_another_type_reads_as_absent_and_keeps_the_scripts(clien
     assert got[0] is None and store._scripts_ok
     await store.renew_many(keys[1:], got[1:], RENEWED_TO + 60, 42)  # type: ignore[arg-type]
     assert store._scripts_ok and await client.type(P + keys[0]) == b"hash"
-    assert (await _store(client).get_many(keys))[1:] == [_rec(i, RENEWED_TO + 60) for i in range(1, N)]
+    assert (await store_of(client).get_many(keys))[1:] == [_rec(i, RENEWED_TO + 60) for i in range(1, N)]
 
 
 @pytest.mark.redis
 async def test_records_of_the_older_format_read_as_absent(client: Any) -> None:
-    store = _store(client)
+    store = store_of(client)
     await store.put("k", _rec(), 30)
     raw = await client.get(P + "k")
     await client.set(P + "k", b"v1." + raw[53:85] + b"." + raw[86:], px=30_000)  # v1's layout
-    assert await _store(client).get("k") is None
+    assert await store_of(client).get("k") is None
 
 
 @pytest.mark.redis
@@ -262,7 +244,7 @@ async def test_the_memo_stays_bounded_and_right(client: Any, monkeypatch: pytest
     read = await store.get_many(keys)
     assert read == [_rec(i, RENEWED_TO) for i in range(N)] and len(store._memo) <= 30
     await store.renew_many(keys, read, RENEWED_TO + 60, 42)  # type: ignore[arg-type]
-    assert await _store(client).get_many(keys) == [_rec(i, RENEWED_TO + 60) for i in range(N)]
+    assert await store_of(client).get_many(keys) == [_rec(i, RENEWED_TO + 60) for i in range(N)]
 
 
 @pytest.mark.redis
@@ -290,4 +272,4 @@ async def test_a_renewal_that_failed_to_write_leaves_the_memo_answering_what_red
     assert store.rejected == 0
     read = await store.get_many(keys)
     await store.renew_many(keys, read, RENEWED_TO, 42)  # type: ignore[arg-type]
-    assert await _store(client).get_many(keys) == [_rec(i, RENEWED_TO) for i in range(N)]
+    assert await store_of(client).get_many(keys) == [_rec(i, RENEWED_TO) for i in range(N)]

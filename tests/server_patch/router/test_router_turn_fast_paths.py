@@ -12,19 +12,17 @@ from typing import Any
 
 import orjson
 import pytest
-from _router_cluster import ClusterFactory, one_route_upstream
+from _router_cluster import ClusterFactory, closed_within, guarded_site, one_route_upstream
 from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlease.protocol import KV_TRANSFER_PARAMS
 from kvlease_router import MemoryStore, NodeSpec, RouterSettings, create_app
-from kvlease_router._guard import start_site, stop_site
 from kvlease_router._relay import rewrite_events, suspicious
 from kvlease_router._retry import RETRY_POLICY
 from kvlease_router._reuse import strip_params
 from kvlease_router._turn import Attempt, first_attempt
-from kvlease_stack.testing import FakeConfig, FakePair
 
 CHAT = "/v1/chat/completions"
 GOOD = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
@@ -160,25 +158,8 @@ async def test_a_key_split_across_sse_reads_never_reaches_the_client(
 async def guarded_long_idle() -> AsyncIterator[tuple[str, int, Any]]:
     """The guarded server with a short header timeout and a long idle timeout (so a closed
     connection below is the header timeout's doing, not the idle one's)."""
-    pair = await FakePair(FakeConfig(token_delay=0.0, default_max_tokens=4)).__aenter__()
-    s = RouterSettings(
-        prefill=(NodeSpec(pair.prefill.url, pair.prefill.control),),
-        decode=(NodeSpec(pair.decode.url, pair.decode.control),),
-        control_secret="fake-secret",
-        key_secret="k",
-        startup_timeout=5.0,
-        header_timeout=0.5,
-        body_timeout=0.5,
-        idle_timeout=30.0,
-        health_interval=3600.0,
-    )
-    app = create_app(s, MemoryStore(100))
-    runner, server = await start_site(app, s, "127.0.0.1", 0)
-    try:
-        yield "127.0.0.1", server.sockets[0].getsockname()[1], app
-    finally:
-        await stop_site(runner, server)
-        await pair.__aexit__(None, None, None)
+    async with guarded_site(header_timeout=0.5, body_timeout=0.5, idle_timeout=30.0) as (port, _, app):
+        yield "127.0.0.1", port, app
 
 
 async def _response(reader: asyncio.StreamReader) -> bytes:
@@ -190,16 +171,6 @@ async def _response(reader: asyncio.StreamReader) -> bytes:
             length = int(line.split(b":", 1)[1])
     body = await asyncio.wait_for(reader.readexactly(length), 5.0)
     return head + body
-
-
-async def _closed_within(reader: asyncio.StreamReader, seconds: float) -> bool:
-    try:
-        async with asyncio.timeout(seconds):
-            while await reader.read(65536):
-                pass
-        return True
-    except (TimeoutError, ConnectionError):
-        return False
 
 
 @pytest.mark.parametrize("path", ["/health", "/no-such-path"])
@@ -223,7 +194,7 @@ async def test_a_trickling_second_head_on_a_keepalive_connection_is_closed(
         except ConnectionError:
             break
         await asyncio.sleep(0.1)
-    assert await _closed_within(reader, 3.0)  # well before the 30 s idle timeout
+    assert await closed_within(reader, 3.0)  # well before the 30 s idle timeout
     writer.close()
 
 
@@ -255,7 +226,7 @@ async def test_a_body_after_its_head_is_still_bounded(guarded_long_idle: Any) ->
     await writer.drain()
     head = await asyncio.wait_for(reader.readline(), 3.0)
     assert b" 408 " in head
-    assert await _closed_within(reader, 2.0)
+    assert await closed_within(reader, 2.0)
     writer.close()
 
 
