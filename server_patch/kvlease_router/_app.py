@@ -41,7 +41,7 @@ from kvlease_router._flow import handle_turn
 from kvlease_router._guard import GUARD_KEY, ConnectionGuard
 from kvlease_router._lease_api import handle_release, handle_renew
 from kvlease_router._logs import install_server_log_filter
-from kvlease_router._retry import RETRY_POLICY, upstream_policy
+from kvlease_router._retry import RETRY_POLICY
 from kvlease_router._runtime import JSON_CT, RouterRuntime, error_response, log
 from kvlease_router._settings import ConfigError, RouterSettings
 from kvlease_router._store import StateStore
@@ -226,7 +226,9 @@ def create_app(
     app = web.Application(client_max_size=settings.max_body_bytes)
     app[ROUTER_KEY] = router
     app[GUARD_KEY] = ConnectionGuard(settings)
-    app[RETRY_POLICY] = router.retry_policy = retry_policy if retry_policy is not None else upstream_policy()
+    if retry_policy is not None:
+        router.retry_policy = retry_policy
+    app[RETRY_POLICY] = router.retry_policy
     app.cleanup_ctx.append(_lifespan(router))
 
     def bind(

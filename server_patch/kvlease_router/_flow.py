@@ -14,7 +14,6 @@ import aiohttp
 import aiohttp.http_exceptions
 import orjson
 from aiohttp import web
-from tenacity import AsyncRetrying
 
 from kvlease.protocol import (
     BODY_CONVERSATION_ID,
@@ -36,7 +35,7 @@ from kvlease.protocol import (
 from kvlease_router._guard import timeout
 from kvlease_router._identity import IdentityError, conversation_id_from, log_ref, tenant_from
 from kvlease_router._relay import UpstreamTooLarge, passthrough, read_capped, relay_json, relay_stream
-from kvlease_router._retry import RETRY_POLICY, AttemptFailed, run_attempts
+from kvlease_router._retry import AttemptFailed, run_attempts
 from kvlease_router._reuse import judge_prefill
 from kvlease_router._runtime import JSON_CT, RouterRuntime, error_response, log
 from kvlease_router._turn import (
@@ -285,12 +284,6 @@ def _encoded(resp: aiohttp.ClientResponse) -> bool:
     return coding is not None and coding.strip().lower() not in ("", "identity")
 
 
-def _policy(router: RouterRuntime, request: web.Request) -> AsyncRetrying:
-    """The app's retry policy (``create_app`` puts it on the runtime too: no app lookup per turn)."""
-    policy = router.retry_policy
-    return policy if policy is not None else request.app[RETRY_POLICY]
-
-
 def _exclude(nodes: list[Node], tried: tuple[str, ...]) -> list[Node]:
     return [n for n in nodes if n.url in tried] if tried else []
 
@@ -346,7 +339,7 @@ async def _prefill(router: RouterRuntime, request: web.Request, turn: _Turn) -> 
         return out
 
     first = first_attempt(True, len(pool.nodes), handle is not None)
-    return await run_attempts(_policy(router, request), first, attempt, _on_step(router, turn, "prefill"))
+    return await run_attempts(router.retry_policy, first, attempt, _on_step(router, turn, "prefill"))
 
 
 async def _post_json(
@@ -426,7 +419,7 @@ async def _decode(
     first = first_attempt(False, len(pool.nodes), False)
     try:
         node, using, upstream, t0 = await run_attempts(
-            _policy(router, request), first, attempt, _on_step(router, turn, "decode")
+            router.retry_policy, first, attempt, _on_step(router, turn, "decode")
         )
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         await turn.forget()

@@ -29,6 +29,7 @@ from kvlease.protocol import (
 from kvlease_router._identity import Keyer, log_ref
 from kvlease_router._metrics import MissRateMonitor, RouterMetrics
 from kvlease_router._ratelimit import TenantBuckets
+from kvlease_router._retry import upstream_policy
 from kvlease_router._settings import RouterSettings
 from kvlease_router._store import ConversationRecord, StateStore, StoreError
 from kvlease_router._upstreams import Upstreams
@@ -104,8 +105,8 @@ class RouterRuntime:
         #: The store answers without I/O (in-process): a stream's last events can wait for the
         #: capture and leave with ``[DONE]`` in one write.
         self.store_is_local = bool(getattr(self.store, "local", False))
-        #: The app's upstream retry policy (``create_app`` sets it; ``None``: read from the app).
-        self.retry_policy: AsyncRetrying | None = None
+        #: The upstream retry policy (``create_app`` puts the app's here, and under ``RETRY_POLICY``).
+        self.retry_policy: AsyncRetrying = upstream_policy()
         #: (the plan they were computed from, the response headers that depend only on it).
         self.fixed_headers: tuple[ClusterPlan | None, dict[str, str]] | None = None
 

@@ -226,9 +226,6 @@ _INT_RANGES: Final[dict[str, tuple[int, int]]] = {
 STAGING_MODES: Final = ("off", "auto", "always")
 
 
-_is_num = _is_number  # (an int too large for a float is not a number here either)
-
-
 def parse_kvlease_config(raw: object) -> KVLeaseConfig:
     """Validate the ``kvlease`` object; raise :class:`ConfigError` naming the offending key."""
     if raw is None:
@@ -248,7 +245,7 @@ def parse_kvlease_config(raw: object) -> KVLeaseConfig:
         key = f"kvlease.{name}"
         if name in _FLOAT_RANGES:
             lo, hi, lo_incl = _FLOAT_RANGES[name]
-            ok = _is_num(value) and (lo <= value if lo_incl else lo < value) and value <= hi
+            ok = _is_number(value) and (lo <= value if lo_incl else lo < value) and value <= hi
             if not ok:
                 bracket = "[" if lo_incl else "("
                 raise ConfigError(f"{key} must be a number in {bracket}{lo}, {hi}], got {value!r}")
@@ -318,7 +315,7 @@ def normalize_extra_config(extra: MutableMapping[str, Any]) -> tuple[KVLeaseConf
     if not isinstance(bidir, bool):
         raise ConfigError(f"kv_connector_extra_config.{BIDIR_KEY} must be true or false, got {bidir!r}")
     ttl = extra.get(TTL_KEY, UPSTREAM_TTL_DEFAULT)
-    if not _is_num(ttl) or ttl <= 0:
+    if not _is_number(ttl) or ttl <= 0:
         raise ConfigError(f"kv_connector_extra_config.{TTL_KEY} must be a positive number, got {ttl!r}")
     return cfg, warnings
 

@@ -128,3 +128,18 @@ async def closed_within(reader: Any, seconds: float) -> bool:
         return True
     except (TimeoutError, ConnectionError):
         return False
+
+
+async def trickle_head(reader: Any, writer: Any, lines: int) -> None:
+    """Send a request head one header line every 0.1 s (``lines`` of them, never its end), until
+    the server closes the connection."""
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+    for i in range(lines):
+        if writer.is_closing() or reader.at_eof():
+            return
+        try:
+            writer.write(b"X-A%d: b\r\n" % i)
+            await writer.drain()
+        except ConnectionError:
+            return
+        await asyncio.sleep(0.1)

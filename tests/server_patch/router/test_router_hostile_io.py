@@ -16,7 +16,14 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
-from _router_cluster import Cluster, ClusterFactory, closed_within, guarded_site, one_route_upstream
+from _router_cluster import (
+    Cluster,
+    ClusterFactory,
+    closed_within,
+    guarded_site,
+    one_route_upstream,
+    trickle_head,
+)
 from aiohttp import web
 
 from kvlease.protocol import HEADER_SESSION_ID, KV_TRANSFER_PARAMS, ErrorBody
@@ -305,16 +312,7 @@ async def test_a_trickling_header_is_closed(guarded: Any) -> None:
     host, port, _, _ = guarded
     reader, writer = await asyncio.open_connection(host, port)
     t0 = time.monotonic()
-    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
-    for i in range(20):  # a byte every 0.1 s: the head never completes within 0.5 s
-        if writer.is_closing() or reader.at_eof():
-            break
-        try:
-            writer.write(b"X-A%d: b\r\n" % i)
-            await writer.drain()
-        except ConnectionError:
-            break
-        await asyncio.sleep(0.1)
+    await trickle_head(reader, writer, 20)  # the head never completes within 0.5 s
     assert await closed_within(reader, 2.0)
     assert time.monotonic() - t0 < 2.5
     writer.close()

@@ -12,7 +12,7 @@ from typing import Any
 
 import orjson
 import pytest
-from _router_cluster import ClusterFactory, closed_within, guarded_site, one_route_upstream
+from _router_cluster import ClusterFactory, closed_within, guarded_site, one_route_upstream, trickle_head
 from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -184,16 +184,7 @@ async def test_a_trickling_second_head_on_a_keepalive_connection_is_closed(
     await writer.drain()
     first = await _response(reader)
     assert first.startswith((b"HTTP/1.1 200", b"HTTP/1.1 404")), first[:80]
-    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
-    for i in range(30):  # a header line every 0.1 s: the head never completes within 0.5 s
-        if writer.is_closing() or reader.at_eof():
-            break
-        try:
-            writer.write(b"X-A%d: b\r\n" % i)
-            await writer.drain()
-        except ConnectionError:
-            break
-        await asyncio.sleep(0.1)
+    await trickle_head(reader, writer, 30)  # the head never completes within 0.5 s
     assert await closed_within(reader, 3.0)  # well before the 30 s idle timeout
     writer.close()
 
