@@ -16,10 +16,11 @@ outage, and one client's burst must not switch reuse off for every tenant.
 What Redis holds is untrusted (anyone who can write it could plant records): every record is
 sealed by :class:`~kvlease_router._store.RecordSeal` under a key derived from the router's key
 secret, which is configuration, never stored here. A forged, moved or garbled record reads as absent;
-a lease end without its MAC is ignored. The lease end is MACed apart from the record (format ``v2``),
-so a renewal rewrites 49 bytes of each value (``SETRANGE``) and computes one small MAC per id: no
-JSON, no re-seal. Records written by an older router (format ``v1``) read as absent: the state is a
-cache, so an upgrade costs each conversation one turn of reuse.
+a lease end without its tag is ignored. The lease end is tagged apart from the record (format
+``v3``, one tag per lease end: see ``RecordSeal`` for what that allows and why it is safe), so a
+renewal rewrites 49 bytes of each value (``SETRANGE``), the same 49 for every id of one renew: no
+JSON, no re-seal, no MAC per id. Records written by an older router (formats ``v1``, ``v2``) read as
+absent: the state is a cache, so an upgrade costs each conversation one turn of reuse.
 """
 
 from __future__ import annotations
@@ -66,12 +67,12 @@ local function widths_of(w)
 end
 """
 # The read: ARGV prefix, the number of keys, the keys and their widths, then per key the
-# fingerprint (``M[:16]``) of the body MAC and the expiry tag ``T`` this process remembers for it
-# (48 characters; spaces if none), concatenated. A value with that MAC and tag answers "" (as this
-# process left it: ``T`` binds the lease end), one with that MAC and another tag (a replica renewed
-# it) its expiry part ``E.T`` (49 bytes), any other the whole value (see ``RedisStore._open``); and
-# when every value is as this process left it, the answer is ``=``. So a renew of records this
-# process knows reads a few bytes, whatever the size of D's handles.
+# fingerprint (``M[:16]``) of the body MAC and the lease end ``E`` this process remembers for it
+# (32 characters; spaces if none), concatenated. A value with that MAC and lease end answers "" (as
+# this process left it), one with that MAC and another lease end (a replica renewed it) its expiry
+# part ``E.T`` (49 bytes), any other the whole value (see ``RedisStore._open``); and when every
+# value is as this process left it, the answer is ``=``. So a renew of records this process knows
+# reads a few bytes, whatever the size of D's handles.
 _GET_MANY_LUA = (
     _KEYS_LUA
     + """
@@ -84,13 +85,13 @@ local same = true
 local at, k = 1, nil
 for i = 1, n do
   k, at = key_at(p, blob, width, widths, at, i)
-  local fp = string.sub(known, 48 * i - 47, 48 * i - 32)
+  local fp = string.sub(known, 32 * i - 31, 32 * i - 16)
   local v = redis.pcall('GET', k)
   if type(v) ~= 'string' or v == '' then
     v = false
     same = false
   elseif fp ~= none and string.sub(v, 54, 69) == fp then
-    if string.sub(v, 21, 52) == string.sub(known, 48 * i - 31, 48 * i) then
+    if string.sub(v, 4, 19) == string.sub(known, 32 * i - 15, 32 * i) then
       v = ''
     else
       v = string.sub(v, 4, 52)
@@ -107,10 +108,11 @@ end
 return cjson.encode(out)
 """
 )
-# The renewal: ARGV prefix, PX milliseconds, ``E.``, the number of keys, the keys and their widths,
-# per key the fingerprint of the body MAC it must still have and its new expiry tag (48 characters,
-# concatenated; ``E.T`` goes at offset 3 and the TTL moves, only where that MAC is still there: a
-# key gone stays gone, a record a turn replaced meanwhile is left as it is), then keys and whole
+# The renewal: ARGV prefix, PX milliseconds, the new expiry part ``E.T`` (one for all), the number
+# of keys, the keys and their widths, per key the fingerprint of the body MAC it must still have
+# and 16 characters the script skips (the read's per-key string as it was sent, 32 characters a
+# key, concatenated; ``E.T`` goes at offset 3 and the TTL moves, only where that MAC is still there:
+# a key gone stays gone, a record a turn replaced meanwhile is left as it is), then keys and whole
 # sealed values (JSON lists) for ``SET XX`` (records this process does not remember). Answers the
 # (1-based) indexes of the first keys that were not renewed.
 _RENEW_MANY_LUA = (
@@ -123,8 +125,8 @@ local missed = {}
 local at, k = 1, nil
 for i = 1, n do
   k, at = key_at(p, blob, width, widths, at, i)
-  if redis.pcall('GETRANGE', k, 53, 68) == string.sub(known, 48 * i - 47, 48 * i - 32) then
-    redis.call('SETRANGE', k, 3, e .. string.sub(known, 48 * i - 31, 48 * i))
+  if redis.pcall('GETRANGE', k, 53, 68) == string.sub(known, 32 * i - 31, 32 * i - 16) then
+    redis.call('SETRANGE', k, 3, e)
     redis.call('PEXPIRE', k, ms)
   else
     missed[#missed + 1] = i
@@ -147,26 +149,27 @@ MEMO_ENTRIES = 20_000
 _SCRIPT_MIN_KEYS = 64
 _NO_SCRIPT = object()
 #: A memo entry, a list (a renewal updates it in place): the fingerprint ``M[:16]`` the scripts
-#: match followed by the expiry tag ``T`` as last written or verified (48 ASCII characters, see
-#: ``_ascii_tag``: what the scripts are sent for the key), the fingerprint alone, the record (the
-#: store's own object), ``material(key, M)``, ``M``, and the lease end in the record's JSON.
+#: match followed by the lease end ``E`` as last written or read (32 ASCII characters, see
+#: ``_ascii_code``: what the scripts are sent for the key), the fingerprint alone, the record (the
+#: store's own object), ``M``, and the lease end in the record's JSON.
 _Memo = list[Any]
 #: A ``get_many`` the memo answered whole: its keys, its answer, the memo entries that answered it,
-#: and the keys packed (see ``_packed``).
-_Read = tuple[list[str], list[ConversationRecord], list[_Memo], tuple[str, str]]
-_FP_TAG, _FP, _REC, _MAT = (itemgetter(i) for i in range(4))
+#: the keys packed (see ``_packed``) and the per-key string sent (the renewal sends it again).
+_Read = tuple[list[str], list[ConversationRecord], list[_Memo], tuple[str, str], str]
+_FP_CODE, _FP, _REC = (itemgetter(i) for i in range(3))
 _PART_LEN = 49
 #: What the read script is sent for a key this process does not remember (no fingerprint).
-_NOT_SEEN = " " * 48
+_NOT_SEEN = " " * 32
 _set = object.__setattr__
 
 
-def _ascii_tag(tag: str) -> str:
-    """A tag read from Redis as the memo keeps it: as it is where it has 32 ASCII characters (every
-    tag the router writes: hex), else 32 ``?`` (a planted one: a fixed width keeps the scripts'
-    packed arguments aligned and encodable; it matches only a tag of ``?``, which fails the tag
-    check as the planted one does, so the memo answers what a full check would)."""
-    return tag if len(tag) == 32 and tag.isascii() else "?" * 32
+def _ascii_code(code: str) -> str:
+    """A lease end ``E`` read from Redis as the memo keeps it: as it is where it has 16 ASCII
+    characters (every one the router writes: hex), else 16 ``?`` (a planted one: a fixed width
+    keeps the scripts' packed arguments aligned and encodable; it matches only an ``E`` of ``?``,
+    which fails the tag check as the planted one does, so the memo answers what a full check
+    would)."""
+    return code if len(code) == 16 and code.isascii() else "?" * 16
 
 
 def _packed(keys: Sequence[str]) -> tuple[str, str]:
@@ -224,14 +227,16 @@ class RedisStore:
         client: Any,
         *,
         secret: str,
+        renewals: bool = True,
         timeout: float = 0.25,
         backoff: float = 1.0,
         prefix: str = KEY_PREFIX,
         failures_before_backoff: int = 3,
     ) -> None:
-        """``secret``: the router's key secret (a record MAC key is derived from it)."""
+        """``secret``: the router's key secret (a record MAC key is derived from it); ``renewals``:
+        whether leases are renewed (the kvlease connector; see ``RecordSeal``)."""
         self._client = client
-        self._seal = RecordSeal(secret)
+        self._seal = RecordSeal(secret, renewals=renewals)
         self._timeout = timeout
         self._backoff = backoff
         self._prefix = prefix
@@ -245,12 +250,15 @@ class RedisStore:
         #: The last ``get_many`` the memo answered whole, so its renewal finds its memo entries
         #: without a second lookup per id (and its keys packed).
         self._last_read: _Read | None = None
+        #: The keys of the last scripted read, and their packed form (a keeper renews the same ids
+        #: every period: its keys are the keyer's cached strings, compared by identity first).
+        self._last_packed: tuple[list[str], tuple[str, str]] | None = None
 
-    def _remember(self, key: str, tag: str, mac: str, record: ConversationRecord, sealed_at: float) -> None:
+    def _remember(self, key: str, code: str, mac: str, record: ConversationRecord, sealed_at: float) -> None:
         memo = self._memo
         memo.pop(key, None)  # a new record: the newest
         fp = mac[:16]
-        memo[key] = [fp + _ascii_tag(tag), fp, record, RecordSeal.material(key, mac), mac, sealed_at]
+        memo[key] = [fp + _ascii_code(code), fp, record, mac, sealed_at]
         if len(memo) > MEMO_ENTRIES:  # the oldest tenth at once, see ``MEMO_ENTRIES``
             for old in list(islice(memo, len(memo) - MEMO_ENTRIES + MEMO_ENTRIES // 10)):
                 del memo[old]
@@ -262,41 +270,41 @@ class RedisStore:
 
         The memo spares the body MAC and the JSON of records this process wrote or verified: a
         value with the remembered ``M`` (or, from the script, its fingerprint) is the remembered
-        record, with the remembered lease end where it has the remembered tag (``T`` binds the
-        lease end: no other one has it), and with another one (a replica renewed it) after one tag
-        check: a part that fails it is ignored, as in ``RecordSeal.unseal``. Sound: ``M`` is this
-        process's MAC over (key, body), so the one body it stands for is the remembered one. A
-        value with that MAC (or fingerprint) or tag and other bytes elsewhere answers a state this
-        router stored under this key, as a writer replaying that value would make any reader
-        answer, never anything else. Anything else (a value another replica wrote, one planted in
-        Redis) is MAC-checked and parsed as always."""
+        record, with the remembered lease end where it has the remembered ``E`` (checked when it
+        was read or written), and with another one (a replica renewed it) after one tag check: a
+        part that fails it is ignored, as in ``RecordSeal.unseal``. Sound: ``M`` is this process's
+        MAC over (key, body), so the one body it stands for is the remembered one. A value with
+        that MAC (or fingerprint) and other bytes elsewhere answers a state this router stored
+        under this key, as a writer replaying that value would make any reader answer, never
+        anything else. Anything else (a value another replica wrote, one planted in Redis) is
+        MAC-checked and parsed as always."""
         if not raw:
             return None
         if isinstance(raw, bytes):
             raw = raw.decode("utf-8", "surrogateescape")  # exact: the MAC is over the bytes
         if seen is not None:
-            mac = seen[4]
+            mac = seen[3]
             part = raw if len(raw) == _PART_LEN else raw[3:52] if raw[53:85] == mac else None
             if part is not None:
-                if part[17:] == seen[0][16:]:
+                if part[:16] == seen[0][16:]:
                     return seen[2]  # type: ignore[no-any-return]
-                expires_at = self._seal.expiry(key, mac, part)
+                expires_at = self._seal.expiry(part)
                 # in place, as a renewal from this process (the store's own record)
-                seen[0] = seen[1] + _ascii_tag(part[17:])
-                _set(seen[2], "expires_at", seen[5] if expires_at is None else expires_at)
+                seen[0] = seen[1] + _ascii_code(part[:16])
+                _set(seen[2], "expires_at", seen[4] if expires_at is None else expires_at)
                 return seen[2]  # type: ignore[no-any-return]
         opened = self._seal.unseal(key, raw)
         if opened is None:
             return None
         record, mac, sealed_at = opened
-        self._remember(key, raw[20:52], mac, record, sealed_at)
+        self._remember(key, raw[3:19], mac, record, sealed_at)
         return record
 
     def _sealed(self, key: str, record: ConversationRecord) -> bytes:
         """The sealed value of ``record``, remembered with the store's own copy of it (a renewal
         moves the lease end of the memo's records in place; a caller's object never changes)."""
         head, mac, body = self._seal.seal_parts(key, record)
-        self._remember(key, head[20:52], mac, own_copy(record), record.expires_at)
+        self._remember(key, head[3:19], mac, own_copy(record), record.expires_at)
         return head.encode("ascii") + body
 
     @property
@@ -345,6 +353,15 @@ class RedisStore:
             self._scripts_ok = False
             return _NO_SCRIPT
 
+    def _packed_as_last(self, keys: Sequence[str]) -> tuple[str, str]:
+        """``_packed(keys)``, reused where the last scripted read had the same keys."""
+        last = self._last_packed
+        if last is not None and last[0] == keys:
+            return last[1]
+        packed = _packed(keys)
+        self._last_packed = (list(keys), packed)
+        return packed
+
     async def get(self, key: str) -> ConversationRecord | None:
         raw = await self._call(self._client.get(self._prefix + key))
         return self._open(key, self._memo.get(key), raw)
@@ -356,16 +373,16 @@ class RedisStore:
         raws: Any = _NO_SCRIPT
         if self._scripts_ok and len(keys) >= _SCRIPT_MIN_KEYS:
             if None not in seen:
-                known = "".join(map(_FP_TAG, seen))
+                known = "".join(map(_FP_CODE, seen))
             elif seen.count(None) == len(seen):  # none remembered (an attacker's ids)
                 known = _NOT_SEEN * len(seen)
             else:
                 known = "".join(e[0] if e else _NOT_SEEN for e in seen)
-            packed = _packed(keys)
+            packed = self._packed_as_last(keys)
             blob = await self._call(self._run_script(0, [self._prefix, len(keys), *packed, known]))
             if blob == b"=":  # every one as this process left it
                 mine: list[ConversationRecord] = list(map(_REC, seen))
-                self._last_read = (list(keys), mine, seen, packed)
+                self._last_read = (self._last_packed[0], mine, seen, packed, known)  # type: ignore[index]
                 return mine  # type: ignore[return-value]
             if blob is not _NO_SCRIPT:
                 try:
@@ -440,12 +457,14 @@ class RedisStore:
         self, keys: Sequence[str], records: Sequence[ConversationRecord], expires_at: float, ms: int
     ) -> bool:
         """``renew_many`` through the script; ``False`` when this Redis refuses scripts."""
-        code = RecordSeal.expiry_code(expires_at)
+        part = self._seal.part(expires_at)  # ``E.T``: the same for every id (no MAC per id)
+        code = part[:16]
         tagged: Sequence[str] = keys
         whole: list[str] = []
         values: list[str] = []
         entries: list[Any]
         packed: tuple[str, str] | None = None
+        known: str | None = None
         last, self._last_read = self._last_read, None
         if (
             last is not None
@@ -455,8 +474,9 @@ class RedisStore:
         ):
             # the records of the last read, as the memo answered them: its entries (each is still
             # the one that read its record; one the memo dropped or replaced since is updated
-            # unseen, and Redis's record is renewed only where its body MAC is still the one read)
-            entries, packed = last[2], last[3]
+            # unseen, and Redis's record is renewed only where its body MAC is still the one read),
+            # its packed keys and the per-key string it sent (the script reads its fingerprints)
+            entries, packed, known = last[2], last[3], last[4]
         else:
             entries = list(map(self._memo.get, keys))
             if None in entries or not all(map(is_, map(_REC, entries), records)):
@@ -469,28 +489,24 @@ class RedisStore:
                     if not m:
                         whole.append(key)
                         values.append(self._sealed(key, record.with_expiry(expires_at)).decode("utf-8"))
-        copy = self._seal.tagger(code).copy
-        known: list[str] = []  # per key, the fingerprint it must still have and its new tag
-        append = known.append
+        if known is None:
+            known = "".join(map(_FP_CODE, entries))
+        # The memo as Redis will be: the new lease end, and the record's in place (as the memory
+        # store: the store's own copy; a holder sees the lease as it now is; D has renewed it; set
+        # as ``__init__`` sets it, so its fields stay inline). Set before the write, so no second
+        # pass: where the write fails or misses, Redis's lease end differs from this one and the
+        # next read checks Redis's anew.
         for entry in entries:
-            h = copy()  # T: one small MAC, nothing else
-            h.update(entry[3])
-            append(fp_tag := entry[1] + h.hexdigest())
-            # The memo as Redis will be: the new tag, and the record's new lease end in place (as
-            # the memory store: the store's own copy; a holder sees the lease as it now is; D has
-            # renewed it; set as ``__init__`` sets it, so its fields stay inline). Set before the
-            # write, so no second pass: where the write fails or misses, Redis's tag differs from
-            # this one and the next read checks Redis's anew.
-            entry[0] = fp_tag
+            entry[0] = entry[1] + code
             _set(entry[2], "expires_at", expires_at)
         dumps = orjson.dumps
         args = [
             self._prefix,
             ms,
-            code + ".",
+            part,
             len(tagged),
             *(packed or _packed(tagged)),
-            "".join(known),
+            known,
             dumps(whole),
             dumps(values),
         ]

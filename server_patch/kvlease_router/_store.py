@@ -13,15 +13,15 @@ A store maps a tenant-scoped conversation key (see ``_identity``) to the last
   still present gets the lease end ``expires_at`` (nothing else of its record changes) and lives
   ``keep_for`` more seconds, in one round trip; a key gone meanwhile (expired, released) stays
   gone. The memory store updates its entries in place (a record a turn replaced meanwhile is left
-  as it is); Redis rewrites only each record's expiry part and its small MAC (a record a turn
-  replaced meanwhile is left as it is, see ``_redis_store``).
+  as it is); Redis rewrites only each record's expiry part (a record a turn replaced meanwhile
+  is left as it is, see ``_redis_store``).
 * A backend failure raises :class:`StoreError`; callers degrade to the miss path.
 
 What a shared backend (Redis) holds is untrusted: :class:`RecordSeal` MACs each record, bound to its
-key, under a key derived from the router's key secret (which never sits in the backend), and its
-lease end separately (bound to the key and the record's MAC), so a renewal re-MACs 49 bytes, not the
-record; a record that fails the MAC or does not parse reads as absent (it costs reuse, never an
-error), a lease end that fails its MAC is ignored. Records of the older format (``v1``) read as
+key, under a key derived from the router's key secret (which never sits in the backend), and tags
+its lease end apart (one tag per lease end, so a renewal rewrites 49 bytes and computes no MAC per
+record); a record that fails the MAC or does not parse reads as absent (it costs reuse, never an
+error), a lease end that fails its tag is ignored. Records of older formats (``v1``, ``v2``) read as
 absent: an upgrade costs each conversation one turn of reuse.
 """
 
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import struct
 import time
 from collections import OrderedDict, deque
@@ -117,48 +118,53 @@ def _opt_str(v: object) -> str | None:
 
 
 class RecordSeal:
-    """MACs of stored records (format ``v2``): ``v2.<E>.<T>.<M>.<json>``, ASCII up to the JSON.
+    """MACs of stored records (format ``v3``): ``v3.<E>.<T>.<M>.<json>``, ASCII up to the JSON.
 
     * ``M``, the body MAC: HMAC-SHA256 (128 bits, hex) over the record's key, 0x00 and its JSON,
       under a subkey derived from the router's key secret for this use only. Bound to the key, so a
       record copied to another conversation's (or tenant's) key fails.
     * ``E``, the lease end: the IEEE-754 double, big-endian, in 16 hex digits (exact, fixed width).
-    * ``T``, the expiry tag: keyed BLAKE2b-128 (a MAC by design, as in ``_identity.Keyer``) over
-      ``E || key || M`` under a second subkey. ``E`` and ``M`` have a fixed width, so the message
-      is injective.
+    * ``T``, the lease-end tag: keyed BLAKE2b-128 (a MAC by design, as in ``_identity.Keyer``) of
+      ``E`` alone under a second subkey: it says a router with this secret wrote that lease end, for
+      some record. It is the same for every record renewed to the same ``E`` (a renew of thousands
+      of ids computes it once), so a renewal costs no MAC per id: it rewrites ``E.T`` (49 bytes at
+      offset ``EXPIRY_AT``), no JSON, no body MAC.
 
-    The JSON keeps the lease end the record was written with; ``E`` is the current one. A renewal
-    rewrites only ``E`` and ``T`` (49 bytes at offset ``EXPIRY_AT``): one small MAC per id, no
-    JSON, no body MAC. What a reader accepts, and why that is safe:
+    What a reader accepts, and why that is safe:
 
     * the body only under a valid ``M`` (else the record reads as absent, counted in ``rejected``);
-    * ``E`` only under a valid ``T`` for this key and this ``M``. An ``E`` without one (planted,
-      garbled, or moved from another record: ``T`` binds the key and ``M``) is ignored: the record
-      reads with the lease end in its JSON (what the turn that wrote it granted) and counts in
-      ``rejected``.
+      the handle, the decode node and the control URL are in the body, so nobody without the
+      secret can make the router offer a handle, or call a control endpoint, it did not store;
+    * ``E`` only under a valid ``T`` (else it is ignored: the record reads with the lease end in its
+      JSON, what the turn that wrote it granted, and counts in ``rejected``), and only where leases
+      are renewed (``renewals``: the kvlease connector). With stock vLLM nothing renews, ``E`` is
+      always the JSON's lease end, and it is not read at all: there P pulls by length on the
+      router's word, so the lease end must be the sealed one.
 
-    So a reader accepts a pair (body, ``E``) only when the router (or a replica with the same
-    secret) wrote that ``E`` for that very body under that key: a state the router itself stored
-    there at some point. A Redis writer can replay an older pair, as it could replay a whole older
-    record in any format (a renewal's ``E`` is never sealed against time): an older ``E`` of the
-    same body shortens the lease (no worse than deleting the record), and one later than the latest
-    (when D answered a shorter lease since) is a lease end the router granted, with D's confirmation,
-    for that very handle: the router's lease is advisory, P still claims the lease on D before a
-    pull and a failed claim declines (D may release early on its own anyway). Nothing lets a writer
-    give a body an ``E`` the router never wrote for it, nor any ``E`` to a record it never sealed.
+    ``T`` does not bind the key: a Redis writer can copy one record's ``E.T`` to another, or replay
+    an older one, as it can delete or replay whole records. That moves a lease end the router
+    wrote (within the TTL of its writing) onto another sealed record of the same secret. With the
+    kvlease connector the router's lease end is advisory: P claims the lease on D before a pull
+    (D's lease table is authoritative and a failed claim recomputes), or, with claims off, checks
+    the expiry D sealed into the handle. So a moved lease end costs at most a failed claim and a
+    recompute: never a pull of blocks D no longer holds, never another tenant's KV.
 
-    Records of the older format (``v1.<mac>.<json>``, one MAC over the whole record) read as absent:
-    the state is a cache, so an upgrade costs each conversation one turn of reuse, and routers of
-    both formats on one Redis do not share state.
+    Records of an older format (``v1``, ``v2``) read as absent: the state is a cache, so an upgrade
+    costs each conversation one turn of reuse, and routers of different formats on one Redis do not
+    share state.
     """
 
-    __slots__ = ("_inner", "_outer", "_tag", "rejected")
+    __slots__ = ("_inner", "_outer", "_renewals", "_tag", "_tags", "rejected")
 
-    PREFIX = "v2."
+    PREFIX = "v3."
     #: Offsets in a sealed value: ``E`` (then ``.``), ``T``, ``M``, the JSON.
     EXPIRY_AT, TAG_AT, MAC_AT, BODY_AT = 3, 20, 53, 86
+    #: Lease-end tags remembered (a pure function of the secret and ``E``; cleared whole past it).
+    TAGS_MAX = 1024
 
-    def __init__(self, key_secret: str) -> None:
+    def __init__(self, key_secret: str, *, renewals: bool = True) -> None:
+        """``renewals``: whether leases are renewed (the kvlease connector): only then is a stored
+        lease end apart from the JSON's read (see the class docstring)."""
         secret = key_secret.encode("utf-8")
         mac_key = hmac.digest(secret, b"kvlease store record mac v2", "sha256")
         # HMAC-SHA256 under ``mac_key`` (RFC 2104) from inner and outer states primed once (a copy
@@ -167,8 +173,10 @@ class RecordSeal:
         padded = mac_key.ljust(64, b"\x00")
         self._inner = hashlib.sha256(bytes(b ^ 0x36 for b in padded))
         self._outer = hashlib.sha256(bytes(b ^ 0x5C for b in padded))
-        tag_key = hmac.digest(secret, b"kvlease store expiry mac v2", "sha256")
+        tag_key = hmac.digest(secret, b"kvlease store lease end mac v3", "sha256")
         self._tag = hashlib.blake2b(key=tag_key, digest_size=16)
+        self._tags: dict[str, str] = {}
+        self._renewals = renewals
         #: Records that failed the body MAC or did not parse (each read as absent), and expiry parts
         #: that failed the tag (each ignored).
         self.rejected = 0
@@ -186,42 +194,45 @@ class RecordSeal:
         """``E`` of a lease end."""
         return struct.pack(">d", expires_at).hex()
 
-    @staticmethod
-    def material(key: str, mac: str) -> bytes:
-        """What the expiry tag covers after ``E``: the key and the body MAC."""
-        return key.encode("utf-8", "surrogatepass") + mac.encode("ascii")
+    def tag(self, code: str) -> str:
+        """``T`` of the lease end whose ``E`` is ``code`` (remembered: a renew's ids share one)."""
+        tag = self._tags.get(code)
+        if tag is None:
+            state = self._tag.copy()
+            state.update(code.encode("ascii", "surrogateescape"))
+            tag = state.hexdigest()
+            if len(self._tags) >= self.TAGS_MAX:
+                self._tags.clear()
+            self._tags[code] = tag
+        return tag
 
-    def tagger(self, code: str) -> hashlib.blake2b:
-        """A BLAKE2b state primed with ``E``: ``copy()``, ``update(material(key, mac))`` and
-        ``hexdigest()`` is ``T`` (a renew tags thousands of ids under one ``E``)."""
-        state = self._tag.copy()
-        state.update(code.encode("ascii"))
-        return state
-
-    def tag(self, code: str, key: str, mac: str) -> str:
-        state = self.tagger(code)
-        state.update(self.material(key, mac))
-        return state.hexdigest()
+    def part(self, expires_at: float) -> str:
+        """``E.T`` of a lease end: what a renewal writes at ``EXPIRY_AT``."""
+        code = self.expiry_code(expires_at)
+        return f"{code}.{self.tag(code)}"
 
     def seal_parts(self, key: str, record: ConversationRecord) -> tuple[str, str, bytes]:
-        """(``v2.E.T.M.``, ``M``, the JSON) of ``record`` under ``key``."""
+        """(``v3.E.T.M.``, ``M``, the JSON) of ``record`` under ``key``."""
         body = record.dumps()
         mac = self._mac(key, body)
-        code = self.expiry_code(record.expires_at)
-        return f"{self.PREFIX}{code}.{self.tag(code, key, mac)}.{mac}.", mac, body
+        return f"{self.PREFIX}{self.part(record.expires_at)}.{mac}.", mac, body
 
     def seal(self, key: str, record: ConversationRecord) -> bytes:
         head, _, body = self.seal_parts(key, record)
         return head.encode("ascii") + body
 
-    def expiry(self, key: str, mac: str, part: str) -> float | None:
-        """The lease end in an expiry part ``E.T`` (``raw[3:52]`` of a value) of a record whose
-        body MAC ``mac`` is known good, or ``None`` when the part fails the tag (counted in
-        ``rejected``; the caller uses the JSON's lease end)."""
+    def expiry(self, part: str) -> float | None:
+        """The lease end in an expiry part ``E.T`` (``raw[3:52]`` of a value whose body MAC is
+        known good), or ``None``: the part fails the tag (counted in ``rejected``), or leases are
+        not renewed here (see ``renewals``). The caller then uses the JSON's lease end."""
+        if not self._renewals:
+            return None
         code = part[:16]
-        if len(part) == 49 and part[16] == "." and _same(part[17:], self.tag(code, key, mac)):
+        if len(part) == 49 and part[16] == "." and _same(part[17:], self.tag(code)):
             try:
-                return float(struct.unpack(">d", bytes.fromhex(code))[0])
+                got = float(struct.unpack(">d", bytes.fromhex(code))[0])
+                if math.isfinite(got):
+                    return got
             except (ValueError, struct.error):  # pragma: no cover - the router wrote it
                 pass
         self.rejected += 1
@@ -250,7 +261,7 @@ class RecordSeal:
             self.rejected += 1
             return None
         sealed_at = record.expires_at
-        expires_at = self.expiry(key, mac, raw[3:52])
+        expires_at = self.expiry(raw[3:52])
         if expires_at is not None and expires_at != sealed_at:
             record = record.with_expiry(expires_at)
         return record, mac, sealed_at

@@ -94,6 +94,7 @@ async def serve(settings: RouterSettings, key_secret_given: bool = True) -> None
         store = RedisStore(
             client,
             secret=settings.key_secret,
+            renewals=settings.kvlease_mode,
             timeout=settings.store_timeout,
             backoff=settings.store_backoff,
             failures_before_backoff=settings.store_failures_before_backoff,

@@ -148,12 +148,15 @@ class RenewRequest:
             raise ProtocolError("conversation_ids must be a list of strings")
         if len(ids) > RENEW_MAX_IDS:
             raise ProtocolError(f"at most {RENEW_MAX_IDS} conversation_ids per renew request")
-        # fast path (a renew carries up to 10,000 ids): one regex pass over the joined ids; an id
-        # holding a newline would add a line, so the line count must be the id count
-        if all(type(i) is str for i in ids):
+        # fast path (a renew carries up to 10,000 ids): one regex pass over the joined ids (the
+        # join refuses anything but strings); an id holding a newline would add a line, so the
+        # line count must be the id count
+        try:
             joined = "\n".join(ids) + "\n"
-            if joined.count("\n") == len(ids) and _ID_LINES.fullmatch(joined) is not None:
-                return cls(tuple(ids))
+        except TypeError:
+            joined = ""
+        if joined and joined.count("\n") == len(ids) and _ID_LINES.fullmatch(joined) is not None:
+            return cls(tuple(ids))
         return cls(tuple(validate_conversation_id(i) for i in ids))
 
 

@@ -71,6 +71,42 @@ def test_plan_renew_groups_by_node_in_id_order() -> None:
 
 
 @pytest.mark.parametrize(
+    "odd",
+    [
+        None,
+        _rec(params=None),
+        _rec(expires_at=NOW),
+        _rec(lease_id=""),
+        _rec(control="http://dc2"),
+        _rec(decode="http://d2"),  # same control URL, another decode URL: resolved apart
+        _rec(control="http://evil", decode="http://evil"),
+    ],
+)
+@pytest.mark.parametrize("at", [0, 20, 49])
+def test_a_keepers_renew_decides_each_id_as_alone(odd: ConversationRecord | None, at: int) -> None:
+    """A renew of many ids on one D (a keeper's: decided in bulk) with one id that is not like the
+    others anywhere in it: every id is decided as it would be alone (the per-id table above)."""
+    n = 50
+    recs: list[ConversationRecord | None] = [_rec(lease_id=f"l{i}") for i in range(n)]
+    recs[at] = odd
+    ids = [f"c{i}" for i in range(n)]
+    p = plan_renew(ids, recs, NOW, KV)
+    alone = plan_renew(["c"], [odd], NOW, KV)
+    good = [i for i in range(n) if i != at]
+    want_calls: dict[str, list[int]] = {"http://dc1": good}
+    for node in alone.calls:
+        want_calls.setdefault(node, []).append(at)
+        want_calls[node].sort()
+    assert p.calls == want_calls
+    assert p.lease_ids == {c: [recs[i].lease_id for i in idx] for c, idx in want_calls.items()}  # type: ignore[union-attr]
+    assert p.drops == ([at] if alone.drops else [])
+    assert p.leases == dict.fromkeys(ids)
+    full = plan_renew(ids, [_rec(lease_id=f"l{i}") for i in range(n)], NOW, KV)
+    assert full.calls == {"http://dc1": list(range(n))} and full.drops == []
+    assert full.lease_ids == {"http://dc1": [f"l{i}" for i in range(n)]}
+
+
+@pytest.mark.parametrize(
     ("answer", "lease", "renewals", "drops"),
     [
         ({"l": 305.0}, 300.0, {300.0: [0]}, []),  # renewed: D's time less the margin

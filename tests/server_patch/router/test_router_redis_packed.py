@@ -55,12 +55,12 @@ def test_packed_keys_round_trip(keys: list[str]) -> None:
     assert (widths == str(len(keys[0]))) == (len({len(k.encode()) for k in keys}) == 1 and blob.isascii())
 
 
-def test_a_tag_read_from_redis_is_kept_at_a_fixed_ascii_width() -> None:
-    good = "0123456789abcdef" * 2
-    assert redis_store._ascii_tag(good) == good
-    for planted in ["short", "x" * 33, "\udcff" * 32, "é" * 32, ""]:
-        kept = redis_store._ascii_tag(planted)
-        assert len(kept) == 32 and kept.isascii() and kept != planted
+def test_a_lease_end_read_from_redis_is_kept_at_a_fixed_ascii_width() -> None:
+    good = "0123456789abcdef"
+    assert redis_store._ascii_code(good) == good
+    for planted in ["short", "x" * 17, "\udcff" * 16, "é" * 16, ""]:
+        kept = redis_store._ascii_code(planted)
+        assert len(kept) == 16 and kept.isascii() and kept != planted
 
 
 @pytest.mark.redis
@@ -98,7 +98,7 @@ async def test_garbage_in_redis_reads_as_absent_and_the_rest_renews(client: Any,
     sealed = await client.get(P + keys[5])
     await client.set(P + keys[0], b"x")  # short
     await client.set(P + keys[1], sealed[:60])  # cut inside the MAC
-    await client.set(P + keys[2], b"v2." + b"\xff" * 100)  # not UTF-8
+    await client.set(P + keys[2], b"v3." + b"\xff" * 100)  # not UTF-8
     await client.delete(P + keys[3])
     await client.hset(P + keys[3], "x", "y")  # another type
     await client.set(P + keys[4], sealed)  # another key's record, whole

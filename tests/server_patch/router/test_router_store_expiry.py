@@ -1,15 +1,18 @@
-"""The lease end MACed apart from the record (issue 15, item 3: renew at bounded cost).
+"""The lease end tagged apart from the record (issue 15, item 3: renew at bounded cost).
 
-A stored value is ``v2.<E>.<T>.<M>.<json>``: a renewal rewrites only ``E.T`` (bytes 3..51). These
-tests break that part in every way a Redis writer could (planted without a valid tag, moved from
-another record or key, another secret's, garbage, an older one replayed) and check each is ignored
-(the record reads with the lease end sealed in its JSON) or, for a replay, answers only a lease end
-the router itself wrote for that very record; and that the scripted renewal, its plain-command
-fallback and the in-process memo keep the contract, across replicas.
+A stored value is ``v3.<E>.<T>.<M>.<json>``: a renewal rewrites only ``E.T`` (bytes 3..51), the same
+49 bytes for every id of one renew (``T`` tags ``E`` alone: no MAC per id). These tests break that
+part in every way a Redis writer could (planted without a valid tag, another secret's, another lease
+end's tag, garbage, not finite) and check each is ignored (the record reads with the lease end sealed
+in its JSON); that a part moved from another record answers only a lease end the router wrote (what
+``RecordSeal`` documents as allowed: the router's lease is advisory, D's claim decides); that with
+stock vLLM (no renewals) no stored lease end is read at all; and that the scripted renewal, its
+plain-command fallback and the in-process memo keep the contract, across replicas.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -39,56 +42,64 @@ def _with_part(raw: bytes, part: str) -> bytes:
 # --- the seal alone -------------------------------------------------------------------------------
 
 
-def test_a_sealed_value_has_the_lease_end_apart_with_its_own_mac() -> None:
+def test_a_sealed_value_has_the_lease_end_apart_with_its_own_tag() -> None:
     seal = RecordSeal(KEY_SECRET)
     raw = seal.seal("k", _rec())
-    assert raw.startswith(b"v2.") and raw[19:20] == raw[52:53] == raw[85:86] == b"."
+    assert raw.startswith(b"v3.") and raw[19:20] == raw[52:53] == raw[85:86] == b"."
     assert raw[86:] == _rec().dumps()  # the JSON as it is: a renewal never re-serializes it
     assert seal.open("k", raw) == _rec() and seal.rejected == 0
-    # a renewal: a new E.T, its tag over (E, key, M), the rest untouched
-    code = RecordSeal.expiry_code(RENEWED_TO)
-    renewed = _with_part(raw, f"{code}.{seal.tag(code, 'k', raw[53:85].decode())}")
+    # a renewal: a new E.T (its tag over E alone, the same for every record), the rest untouched
+    part = seal.part(RENEWED_TO)
+    assert part[:16] == RecordSeal.expiry_code(RENEWED_TO) and part == seal.part(RENEWED_TO)
+    renewed = _with_part(raw, part)
     assert seal.open("k", renewed) == _rec(expires_at=RENEWED_TO) and seal.rejected == 0
     assert RecordSeal("another secret").open("k", renewed) is None
     assert seal.open("k2", renewed) is None  # moved whole: the body MAC binds the key
     assert KEY_SECRET.encode() not in renewed
 
 
-def test_an_expiry_part_without_a_valid_mac_is_ignored() -> None:
-    """Planted, garbled, another secret's, another key's or another record's: the record reads
-    with the lease end sealed in its JSON, and the part counts as rejected."""
+def test_an_expiry_part_without_a_valid_tag_is_ignored() -> None:
+    """Planted, garbled, another secret's, another lease end's tag, or a lease end that is not a
+    finite time: the record reads with the lease end sealed in its JSON, the part counts as
+    rejected."""
     seal = RecordSeal(KEY_SECRET)
     raw = seal.seal("k", _rec())
-    mac = raw[53:85].decode()
     code = RecordSeal.expiry_code(RENEWED_TO)
-    other = seal.seal("k", _rec(1, expires_at=RENEWED_TO))  # another record of the same key
     planted = [
-        f"{code}.{'0' * 32}",  # a later lease end without a MAC
-        f"{code}.{seal.tag(code, 'k', mac)[:-1]}0",  # a tag one digit off
-        f"{code}.{RecordSeal('another secret').tag(code, 'k', mac)}",
-        f"{code}.{seal.tag(code, 'k2', mac)}",  # the right body MAC, another key
-        _part(other),  # moved from another record (a valid part, for that record's MAC)
-        _part(seal.seal("k2", _rec(expires_at=RENEWED_TO))),  # moved from the same record of another key
-        f"{RecordSeal.expiry_code(RENEWED_TO + 1)}{_part(seal.seal('k', _rec(expires_at=RENEWED_TO)))[16:]}",
+        f"{code}.{'0' * 32}",  # a later lease end without a tag
+        f"{code}.{seal.tag(code)[:-1]}{'1' if seal.tag(code)[-1] == '0' else '0'}",  # one digit off
+        f"{code}.{RecordSeal('another secret').tag(code)}",
+        f"{RecordSeal.expiry_code(RENEWED_TO + 3600)}.{seal.tag(code)}",  # another lease end's tag
+        seal.part(math.inf),  # a valid tag, but never a lease end
+        seal.part(math.nan),
         "x" * 49,
     ]
     for i, part in enumerate(planted, 1):
         got = seal.open("k", raw[:3] + part.encode() + raw[52:])
         assert got == _rec(), part  # present, with the lease end its JSON was sealed with
         assert seal.rejected == i
-    assert seal.open("k", other) == _rec(1, expires_at=RENEWED_TO)  # the donor is fine itself
 
 
-def test_a_replayed_expiry_part_gives_only_a_lease_end_written_for_that_record() -> None:
-    """Every part the router wrote for one body verifies for that body only: an older one
-    replayed answers that older lease end (what was granted then), never one it never wrote."""
+def test_a_lease_end_moved_from_another_record_is_one_the_router_wrote() -> None:
+    """The tag does not bind the key (what lets a renew tag thousands of ids at once): a part
+    moved or replayed from any record of this secret answers the lease end the router wrote there,
+    never one it never wrote, and the record's body, handle and control URL stay its own."""
     seal = RecordSeal(KEY_SECRET)
     raw = seal.seal("k", _rec())
-    mac = raw[53:85].decode()
-    written = [SEALED_AT + 60 * i for i in range(1, 4)]
-    parts = [f"{c}.{seal.tag(c, 'k', mac)}" for c in map(RecordSeal.expiry_code, written)]
-    for when, part in zip(written, parts):
-        assert seal.open("k", _with_part(raw, part)) == _rec(expires_at=when)
+    donor = seal.seal("k2", _rec(5, expires_at=RENEWED_TO))
+    got = seal.open("k", _with_part(raw, _part(donor)))
+    assert got == _rec(expires_at=RENEWED_TO) and seal.rejected == 0
+    for when in (SEALED_AT + 60, SEALED_AT + 120):  # older renewals replayed
+        assert seal.open("k", _with_part(raw, seal.part(when))) == _rec(expires_at=when)
+
+
+def test_with_stock_vllm_no_stored_lease_end_is_read() -> None:
+    """Nothing renews with stock vLLM, and P pulls on the router's word there: the lease end is
+    the one sealed in the JSON, whatever part a writer put beside it (valid ones included)."""
+    seal = RecordSeal(KEY_SECRET, renewals=False)
+    raw = seal.seal("k", _rec())
+    for part in (seal.part(RENEWED_TO), RecordSeal(KEY_SECRET).part(RENEWED_TO), "x" * 49):
+        assert seal.open("k", _with_part(raw, part)) == _rec()
     assert seal.rejected == 0
 
 
@@ -117,6 +128,7 @@ async def test_a_scripted_renewal_rewrites_only_the_expiry_part(client: Any) -> 
     for old, new in zip(before, after):
         assert new[:3] == old[:3] and new[52:] == old[52:]  # the JSON and its MAC as they were
         assert new[3:52] != old[3:52]
+    assert {new[3:52] for new in after} == {RecordSeal(KEY_SECRET).part(RENEWED_TO).encode()}
     assert 40_000 < await client.pttl(P + keys[7]) <= 42_000
     want = [_rec(i, RENEWED_TO) for i in range(N)]
     assert read == want  # the records read were the store's own, renewed in place
@@ -128,24 +140,43 @@ async def test_a_scripted_renewal_rewrites_only_the_expiry_part(client: Any) -> 
 
 @pytest.mark.redis
 @pytest.mark.parametrize("reader", ["fresh", "memo"])
-async def test_planted_or_moved_expiry_parts_in_redis_are_ignored(client: Any, reader: str) -> None:
+async def test_planted_expiry_parts_in_redis_are_ignored(client: Any, reader: str) -> None:
     """Whether the reader verifies everything (a fresh replica) or remembers the record (the
-    writer's memo): a forged, garbled or moved lease end is ignored, the record still reads."""
+    writer's memo): a forged or garbled lease end is ignored, the record still reads; one moved from
+    another record (a lease end the router wrote) is taken, as ``RecordSeal`` documents."""
     writer, keys = await _renewed(client)
-    r0, r1, r2, r3 = [await client.get(P + k) for k in keys[:4]]
+    r3 = await client.get(P + keys[3])
     code = RecordSeal.expiry_code(RENEWED_TO + 3600)
-    await client.setrange(P + keys[0], 3, f"{code}.{'0' * 32}")  # a later lease end, no MAC
-    await client.setrange(P + keys[1], 3, _part(r2))  # moved from another record
+    seal = RecordSeal(KEY_SECRET)
+    await client.setrange(P + keys[0], 3, f"{code}.{'0' * 32}")  # a later lease end, no tag
+    await client.setrange(P + keys[1], 3, f"{code}.{seal.tag(RecordSeal.expiry_code(RENEWED_TO))}")
     await client.setrange(P + keys[2], 3, "garbage" * 7)
-    await client.set(P + keys[3], _with_part(r3, _part(r1)))  # the whole value, E.T of another
+    await client.set(P + keys[3], _with_part(r3, f"{code}.{RecordSeal('another').tag(code)}"))
+    donor = seal.seal("elsewhere", _rec(7, expires_at=RENEWED_TO + 60))
+    await client.setrange(P + keys[4], 3, _part(donor))  # moved from another record
     store = store_of(client) if reader == "fresh" else writer
     rejected = store.rejected
     got = await store.get_many(keys)
     assert got[:4] == [_rec(i) for i in range(4)]  # each with the lease end sealed in its JSON
-    assert got[4:] == [_rec(i, RENEWED_TO) for i in range(4, N)]
+    assert got[4] == _rec(4, RENEWED_TO + 60)
+    assert got[5:] == [_rec(i, RENEWED_TO) for i in range(5, N)]
     assert store.rejected - rejected == 4
     assert [await store.get(k) for k in keys[:4]] == [_rec(i) for i in range(4)]
-    assert r0 is not None and store.rejected - rejected == 4
+    assert store.rejected - rejected == 4
+
+
+@pytest.mark.redis
+async def test_a_stock_vllm_router_reads_no_stored_lease_end(client: Any) -> None:
+    """``renewals=False`` (stock vLLM): a valid lease end put beside a record is not read, by a
+    fresh reader nor by the writer's memo."""
+    store = RedisStore(client, secret=KEY_SECRET, renewals=False, timeout=2.0)
+    keys = [f"s{i}" for i in range(N)]
+    await store.put_many([(k, _rec(i), 30) for i, k in enumerate(keys)])
+    await client.setrange(P + keys[0], 3, RecordSeal(KEY_SECRET).part(RENEWED_TO + 3600))
+    for reader in (store, RedisStore(client, secret=KEY_SECRET, renewals=False, timeout=2.0)):
+        assert await reader.get_many(keys) == [_rec(i) for i in range(N)]
+        assert await reader.get(keys[0]) == _rec(0)
+    assert (await store_of(client).get_many(keys))[0] == _rec(0, RENEWED_TO + 3600)  # kvlease mode reads it
 
 
 @pytest.mark.redis
@@ -234,6 +265,10 @@ async def test_records_of_the_older_format_read_as_absent(client: Any) -> None:
     raw = await client.get(P + "k")
     await client.set(P + "k", b"v1." + raw[53:85] + b"." + raw[86:], px=30_000)  # v1's layout
     assert await store_of(client).get("k") is None
+    await client.set(P + "k", b"v2." + raw[3:], px=30_000)  # v2's layout (its tag bound the key)
+    assert (
+        await store_of(client).get("k") is None and await store_of(client).get_many(["k"] * N) == [None] * N
+    )
 
 
 @pytest.mark.redis
@@ -249,8 +284,8 @@ async def test_the_memo_stays_bounded_and_right(client: Any, monkeypatch: pytest
 
 @pytest.mark.redis
 async def test_a_renewal_that_failed_to_write_leaves_the_memo_answering_what_redis_has(client: Any) -> None:
-    """The memo takes the new tag before the write: where the write fails, the next read sees
-    Redis's tag differ from it and checks Redis's again (the old lease end, as written)."""
+    """The memo takes the new lease end before the write: where the write fails, the next read sees
+    Redis's differ from it and checks Redis's again (the old lease end, as written)."""
 
     class FailsOnce(RedisStore):
         fail = True
