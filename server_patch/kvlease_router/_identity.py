@@ -101,16 +101,22 @@ def tenant_from(headers: Mapping[str, str], tenant_header: str | None) -> str:
     return ANONYMOUS_TENANT
 
 
+#: Bytes of a state key's digest (128 bits: a keyed PRF's output, so two ids of 2**32 collide with
+#: odds of 2**-64; the key goes to Redis with every renewed id, so its 32 hex digits are half the
+#: bytes a renew sends).
+KEY_BYTES = 16
+
 #: Tenants whose tag :meth:`Keyer.tenant_tag` remembers (a pure function of secret and tenant).
 _TAGS_MAX = 4096
 
-#: Label of the state-key subkey (:class:`Keyer`); "v2": BLAKE2b keys (v1 was HMAC-SHA256).
-_STATE_KEY_LABEL = b"kvlease router state key v2"
+#: Label of the state-key subkey (:class:`Keyer`); "v3": BLAKE2b-128 keys (v2 was BLAKE2b-256, v1
+#: HMAC-SHA256).
+_STATE_KEY_LABEL = b"kvlease router state key v3"
 
 
 class Keyer:
-    """Tenant-scoped state keys: ``BLAKE2b-256(key=K, tenant || 0x00 || conversation id)``, with
-    ``K = HMAC-SHA256(secret, "kvlease router state key v2")``.
+    """Tenant-scoped state keys: ``BLAKE2b-128(key=K, tenant || 0x00 || conversation id)`` in hex,
+    with ``K = HMAC-SHA256(secret, "kvlease router state key v3")``.
 
     Why this is sound, and why not HMAC-SHA256 per id as before (v1): BLAKE2b in keyed mode is a
     PRF and a MAC by design (RFC 7693: the key fills the first block; no length extension), so a
@@ -121,9 +127,9 @@ class Keyer:
     rule), so the last 0x00 splits tenant from id, and the same id of another tenant is another
     key. BLAKE2b's state is copied with a ``memcpy`` (CPython's own ``_blake2``, no OpenSSL
     context), so :meth:`keys` of a 10,000-id renew costs one copy, one update and one digest per
-    id, where HMAC-SHA256 cost two OpenSSL context copies and two hashes. Changing the keys from
-    v1 forgets state written by an older router (its conversations start again as ``first``, and
-    a renew answers ``unknown``); mixed-version replicas do not share state.
+    id, where HMAC-SHA256 cost two OpenSSL context copies and two hashes. Changing the keys (v1,
+    then v2: 256 bits) forgets state written by an older router (its conversations start again as
+    ``first``, and a renew answers ``unknown``); mixed-version replicas do not share state.
     """
 
     __slots__ = ("_cache", "_cache_max", "_cached", "_key", "_secret", "_tags")
@@ -146,7 +152,7 @@ class Keyer:
 
     def key(self, tenant: str, conversation_id: str) -> str:
         msg = tenant.encode("utf-8", "surrogatepass") + b"\x00" + conversation_id.encode("ascii")
-        return hashlib.blake2b(msg, key=self._key, digest_size=32).hexdigest()
+        return hashlib.blake2b(msg, key=self._key, digest_size=KEY_BYTES).hexdigest()
 
     def keys(self, tenant: str, conversation_ids: Sequence[str]) -> list[str]:
         """``key(tenant, cid)`` of each id: equal to :meth:`key` for every id."""
@@ -165,7 +171,7 @@ class Keyer:
             got = list(map(cached.get, conversation_ids))
             if None not in got:
                 return got, ()  # type: ignore[return-value]
-        base = hashlib.blake2b(key=self._key, digest_size=32)
+        base = hashlib.blake2b(key=self._key, digest_size=KEY_BYTES)
         base.update(tenant.encode("utf-8", "surrogatepass") + b"\x00")
         copy = base.copy
         if got is None or got.count(None) == len(got):  # none cached

@@ -28,13 +28,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from itertools import islice
-from operator import is_, itemgetter
+from itertools import islice, repeat
+from operator import add, is_, itemgetter, setitem
 from typing import Any
 
 import orjson
 
-from kvlease_router._store import ConversationRecord, PutItem, RecordSeal, StoreError, own_copy
+from kvlease_router._store import ConversationRecord, PutItem, RecordSeal, StoreError, drain, own_copy
 
 __all__ = ["RedisStore", "redis_client_from_url"]
 
@@ -492,13 +492,11 @@ class RedisStore:
         if known is None:
             known = "".join(map(_FP_CODE, entries))
         # The memo as Redis will be: the new lease end, and the record's in place (as the memory
-        # store: the store's own copy; a holder sees the lease as it now is; D has renewed it; set
-        # as ``__init__`` sets it, so its fields stay inline). Set before the write, so no second
-        # pass: where the write fails or misses, Redis's lease end differs from this one and the
-        # next read checks Redis's anew.
-        for entry in entries:
-            entry[0] = entry[1] + code
-            _set(entry[2], "expires_at", expires_at)
+        # store: the store's own copy; a holder sees the lease as it now is; D has renewed it),
+        # each in one pass in C. Set before the write, so no second pass: where the write fails or
+        # misses, Redis's lease end differs from this one and the next read checks Redis's anew.
+        drain(map(setitem, entries, repeat(0), map(add, map(_FP, entries), repeat(code))))
+        drain(map(_set, map(_REC, entries), repeat("expires_at"), repeat(expires_at)))
         dumps = orjson.dumps
         args = [
             self._prefix,

@@ -5,6 +5,7 @@ and never a request (with the control secret) to a host that is not configured."
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -75,9 +76,7 @@ async def test_a_stored_control_url_outside_the_configuration_gets_nothing(
     good = await store.get(key)
     assert good is not None and good.control == cluster.pair.decode.control
     # the record now names the thief, and a decode URL no router knows
-    await store.put(
-        key, ConversationRecord(**{**good.__dict__, "control": url, "decode": "http://10.9.9.9:1"}), 60
-    )
+    await store.put(key, replace(good, control=url, decode="http://10.9.9.9:1"), 60)
     status, body = await _renew(cluster, ["victim"])
     assert status == 200 and body["leases"]["victim"] == {"status": "unknown"}
     async with cluster.client.delete(f"{cluster.url}{CONVERSATIONS_PATH}/victim") as r:
@@ -90,7 +89,7 @@ async def test_a_stored_control_url_outside_the_configuration_gets_nothing(
     key = cluster.router.keyer.key(ANONYMOUS_TENANT, "second")
     good = await store.get(key)
     assert good is not None
-    await store.put(key, ConversationRecord(**{**good.__dict__, "control": url}), 60)
+    await store.put(key, replace(good, control=url), 60)
     status, body = await _renew(cluster, ["second"])
     assert status == 200 and body["leases"]["second"]["expires_in"] > 0
     assert seen == [] and cluster.pair.decode.stats["renew_calls"] >= 1
@@ -124,7 +123,7 @@ async def test_garbage_and_forged_records_in_redis_cost_reuse_only(
     keys = {cid: keyer.key(ANONYMOUS_TENANT, cid) for cid in convs}
     good = await store.get(keys["g0"])
     assert good is not None
-    forged = ConversationRecord(**{**good.__dict__, "control": url, "decode": "http://10.9.9.9:1"})
+    forged = replace(good, control=url, decode="http://10.9.9.9:1")
     planted = [
         b"\x00\xff garbage",
         b"{not json",
