@@ -29,7 +29,7 @@ import asyncio
 import time
 from collections.abc import Sequence
 from itertools import islice, repeat
-from operator import add, is_, itemgetter, setitem
+from operator import is_, itemgetter, setitem
 from typing import Any
 
 import orjson
@@ -47,7 +47,7 @@ DEFAULT_MAX_CONNECTIONS = 32
 # (about 10 µs a command, 2 µs a value), so 10,000 ``SET``s in a pipeline, or 10,000 values of an
 # ``MGET``, cost the router hundreds of milliseconds where one string costs a few. The keys go
 # concatenated, with their widths (in bytes: one number where all have it, as the router's keys
-# do, else a JSON list), and the fixed-width strings per key (fingerprints, tags) concatenated
+# do, else a JSON list), and the fixed-width strings per key (fingerprints, lease ends) concatenated
 # (see ``_packed``). The scripts only move bytes: what they read is opened by the router as any
 # read (``RedisStore._open``), and what they write was sealed (or tagged) by it. A Redis without
 # scripting (or a reply that is not JSON: a planted value that is not UTF-8) falls back to ``MGET``
@@ -66,32 +66,37 @@ local function widths_of(w)
   return nil, cjson.decode(w)
 end
 """
-# The read: ARGV prefix, the number of keys, the keys and their widths, then per key the
-# fingerprint (``M[:16]``) of the body MAC and the lease end ``E`` this process remembers for it
-# (32 characters; spaces if none), concatenated. A value with that MAC and lease end answers "" (as
-# this process left it), one with that MAC and another lease end (a replica renewed it) its expiry
-# part ``E.T`` (49 bytes), any other the whole value (see ``RedisStore._open``); and when every
-# value is as this process left it, the answer is ``=``. So a renew of records this process knows
-# reads a few bytes, whatever the size of D's handles.
+# The read: ARGV prefix, the number of keys, the keys and their widths, per key the fingerprint
+# (``M[:16]``) of the body MAC this process remembers for it (16 characters; spaces if none),
+# concatenated, then the lease ends ``E`` it remembers: one (16 characters) where every key has the
+# same (a keeper's ids, renewed together), else one per key, concatenated. A value with that MAC and
+# lease end answers "" (as this process left it), one with that MAC and another lease end (a
+# replica renewed it) its expiry part ``E.T`` (49 bytes), any other the whole value (see
+# ``RedisStore._open``); and when every value is as this process left it, the answer is ``=``. So a
+# renew of records this process knows reads a few bytes, whatever the size of D's handles.
 _GET_MANY_LUA = (
     _KEYS_LUA
     + """
 local p, n, blob = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local width, widths = widths_of(ARGV[4])
-local known = ARGV[5]
+local fps, codes = ARGV[5], ARGV[6]
+local common = nil
+if #codes == 16 then
+  common = codes
+end
 local none = string.rep(' ', 16)
 local out = {}
 local same = true
 local at, k = 1, nil
 for i = 1, n do
   k, at = key_at(p, blob, width, widths, at, i)
-  local fp = string.sub(known, 32 * i - 31, 32 * i - 16)
+  local fp = string.sub(fps, 16 * i - 15, 16 * i)
   local v = redis.pcall('GET', k)
   if type(v) ~= 'string' or v == '' then
     v = false
     same = false
   elseif fp ~= none and string.sub(v, 54, 69) == fp then
-    if string.sub(v, 4, 19) == string.sub(known, 32 * i - 15, 32 * i) then
+    if string.sub(v, 4, 19) == (common or string.sub(codes, 16 * i - 15, 16 * i)) then
       v = ''
     else
       v = string.sub(v, 4, 52)
@@ -110,22 +115,22 @@ return cjson.encode(out)
 )
 # The renewal: ARGV prefix, PX milliseconds, the new expiry part ``E.T`` (one for all), the number
 # of keys, the keys and their widths, per key the fingerprint of the body MAC it must still have
-# and 16 characters the script skips (the read's per-key string as it was sent, 32 characters a
-# key, concatenated; ``E.T`` goes at offset 3 and the TTL moves, only where that MAC is still there:
-# a key gone stays gone, a record a turn replaced meanwhile is left as it is), then keys and whole
-# sealed values (JSON lists) for ``SET XX`` (records this process does not remember). Answers the
-# (1-based) indexes of the first keys that were not renewed.
+# (16 characters, concatenated: as the read sent them; ``E.T`` goes at offset 3 and the TTL moves,
+# only where that MAC is still there: a key gone stays gone, a record a turn replaced meanwhile is
+# left as it is), then keys and whole sealed values (JSON lists) for ``SET XX`` (records this
+# process does not remember). Answers the (1-based) indexes of the first keys that were not
+# renewed.
 _RENEW_MANY_LUA = (
     _KEYS_LUA
     + """
 local p, ms, e, n, blob = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
 local width, widths = widths_of(ARGV[6])
-local known = ARGV[7]
+local fps = ARGV[7]
 local missed = {}
 local at, k = 1, nil
 for i = 1, n do
   k, at = key_at(p, blob, width, widths, at, i)
-  if redis.pcall('GETRANGE', k, 53, 68) == string.sub(known, 32 * i - 31, 32 * i - 16) then
+  if redis.pcall('GETRANGE', k, 53, 68) == string.sub(fps, 16 * i - 15, 16 * i) then
     redis.call('SETRANGE', k, 3, e)
     redis.call('PEXPIRE', k, ms)
   else
@@ -149,17 +154,17 @@ MEMO_ENTRIES = 20_000
 _SCRIPT_MIN_KEYS = 64
 _NO_SCRIPT = object()
 #: A memo entry, a list (a renewal updates it in place): the fingerprint ``M[:16]`` the scripts
-#: match followed by the lease end ``E`` as last written or read (32 ASCII characters, see
-#: ``_ascii_code``: what the scripts are sent for the key), the fingerprint alone, the record (the
-#: store's own object), ``M``, and the lease end in the record's JSON.
+#: match, the lease end ``E`` as last written or read (16 ASCII characters, see ``_ascii_code``;
+#: a renewal sets one string object for all its ids), the record (the store's own object), ``M``,
+#: and the lease end in the record's JSON.
 _Memo = list[Any]
 #: A ``get_many`` the memo answered whole: its keys, its answer, the memo entries that answered it,
-#: the keys packed (see ``_packed``) and the per-key string sent (the renewal sends it again).
+#: the keys packed (see ``_packed``) and the fingerprints sent (the renewal sends them again).
 _Read = tuple[list[str], list[ConversationRecord], list[_Memo], tuple[str, str], str]
-_FP_CODE, _FP, _REC = (itemgetter(i) for i in range(3))
+_FP, _CODE, _REC = (itemgetter(i) for i in range(3))
 _PART_LEN = 49
 #: What the read script is sent for a key this process does not remember (no fingerprint).
-_NOT_SEEN = " " * 32
+_NOT_SEEN = " " * 16
 _set = object.__setattr__
 
 
@@ -258,7 +263,7 @@ class RedisStore:
         memo = self._memo
         memo.pop(key, None)  # a new record: the newest
         fp = mac[:16]
-        memo[key] = [fp + _ascii_code(code), fp, record, mac, sealed_at]
+        memo[key] = [fp, _ascii_code(code), record, mac, sealed_at]
         if len(memo) > MEMO_ENTRIES:  # the oldest tenth at once, see ``MEMO_ENTRIES``
             for old in list(islice(memo, len(memo) - MEMO_ENTRIES + MEMO_ENTRIES // 10)):
                 del memo[old]
@@ -286,11 +291,11 @@ class RedisStore:
             mac = seen[3]
             part = raw if len(raw) == _PART_LEN else raw[3:52] if raw[53:85] == mac else None
             if part is not None:
-                if part[:16] == seen[0][16:]:
+                if part[:16] == seen[1]:
                     return seen[2]  # type: ignore[no-any-return]
                 expires_at = self._seal.expiry(part)
                 # in place, as a renewal from this process (the store's own record)
-                seen[0] = seen[1] + _ascii_code(part[:16])
+                seen[1] = _ascii_code(part[:16])
                 _set(seen[2], "expires_at", seen[4] if expires_at is None else expires_at)
                 return seen[2]  # type: ignore[no-any-return]
         opened = self._seal.unseal(key, raw)
@@ -372,17 +377,21 @@ class RedisStore:
         seen: list[Any] = list(map(self._memo.get, keys))  # as asked: the script answers for these
         raws: Any = _NO_SCRIPT
         if self._scripts_ok and len(keys) >= _SCRIPT_MIN_KEYS:
-            if None not in seen:
-                known = "".join(map(_FP_CODE, seen))
+            if all(seen):  # every one remembered (an entry is a 5-item list: always true)
+                fps = "".join(map(_FP, seen))
+                codes = list(map(_CODE, seen))
+                first = codes[0]  # (compared by identity first: one renewal set one object)
+                code = first if codes.count(first) == len(codes) else "".join(codes)
             elif seen.count(None) == len(seen):  # none remembered (an attacker's ids)
-                known = _NOT_SEEN * len(seen)
+                fps, code = _NOT_SEEN * len(seen), _NOT_SEEN
             else:
-                known = "".join(e[0] if e else _NOT_SEEN for e in seen)
+                fps = "".join(e[0] if e else _NOT_SEEN for e in seen)
+                code = "".join(e[1] if e else _NOT_SEEN for e in seen)
             packed = self._packed_as_last(keys)
-            blob = await self._call(self._run_script(0, [self._prefix, len(keys), *packed, known]))
+            blob = await self._call(self._run_script(0, [self._prefix, len(keys), *packed, fps, code]))
             if blob == b"=":  # every one as this process left it
                 mine: list[ConversationRecord] = list(map(_REC, seen))
-                self._last_read = (self._last_packed[0], mine, seen, packed, known)  # type: ignore[index]
+                self._last_read = (self._last_packed[0], mine, seen, packed, fps)  # type: ignore[index]
                 return mine  # type: ignore[return-value]
             if blob is not _NO_SCRIPT:
                 try:
@@ -464,7 +473,7 @@ class RedisStore:
         values: list[str] = []
         entries: list[Any]
         packed: tuple[str, str] | None = None
-        known: str | None = None
+        fps: str | None = None
         last, self._last_read = self._last_read, None
         if (
             last is not None
@@ -475,8 +484,8 @@ class RedisStore:
             # the records of the last read, as the memo answered them: its entries (each is still
             # the one that read its record; one the memo dropped or replaced since is updated
             # unseen, and Redis's record is renewed only where its body MAC is still the one read),
-            # its packed keys and the per-key string it sent (the script reads its fingerprints)
-            entries, packed, known = last[2], last[3], last[4]
+            # its packed keys and the fingerprints it sent
+            entries, packed, fps = last[2], last[3], last[4]
         else:
             entries = list(map(self._memo.get, keys))
             if None in entries or not all(map(is_, map(_REC, entries), records)):
@@ -489,13 +498,13 @@ class RedisStore:
                     if not m:
                         whole.append(key)
                         values.append(self._sealed(key, record.with_expiry(expires_at)).decode("utf-8"))
-        if known is None:
-            known = "".join(map(_FP_CODE, entries))
+        if fps is None:
+            fps = "".join(map(_FP, entries))
         # The memo as Redis will be: the new lease end, and the record's in place (as the memory
         # store: the store's own copy; a holder sees the lease as it now is; D has renewed it),
         # each in one pass in C. Set before the write, so no second pass: where the write fails or
         # misses, Redis's lease end differs from this one and the next read checks Redis's anew.
-        drain(map(setitem, entries, repeat(0), map(add, map(_FP, entries), repeat(code))))
+        drain(map(setitem, entries, repeat(1), repeat(code)))
         drain(map(_set, map(_REC, entries), repeat("expires_at"), repeat(expires_at)))
         dumps = orjson.dumps
         args = [
@@ -504,7 +513,7 @@ class RedisStore:
             part,
             len(tagged),
             *(packed or _packed(tagged)),
-            known,
+            fps,
             dumps(whole),
             dumps(values),
         ]
