@@ -170,8 +170,7 @@ async def handle_renew(request: web.Request, router: RouterRuntime) -> web.Respo
         await _write_back(router, plan.now, keys, records, result.renewals, result.drops, settings)
     except StoreError as e:  # D renewed but the router would not know: the caller retries
         return _store_unavailable(router, e)
-    body = RenewResponse(result.leases, settings.ttl).to_json()
-    return web.Response(body=orjson.dumps(body), content_type=JSON_CT)
+    return web.Response(body=RenewResponse(result.leases, settings.ttl).dumps(), content_type=JSON_CT)
 
 
 def _found(

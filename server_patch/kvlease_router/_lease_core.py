@@ -18,7 +18,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import repeat
-from operator import attrgetter, is_
 
 from kvlease_router._store import ConversationRecord
 
@@ -110,13 +109,6 @@ def plan_renew(
     caller has it (its dedup of the ids), taken over as the plan's leases instead of another one."""
     kvlease, resolve = settings.kvlease_mode, settings.configured_control
     leases: dict[str, float | None] = dict.fromkeys(ids) if unique is None else unique  # type: ignore[assignment]
-    if kvlease:
-        one = _one_node(records, now, resolve)
-        if one is not None:  # a keeper's renew: every id live, on one D (the loop below, in C)
-            lease_ids_all: list[str] = list(map(_LEASE_ID, records))
-            if all(lease_ids_all):
-                indexes = list(range(len(records)))
-                return RenewPlan(ids, records, now, leases, {one: indexes}, {one: lease_ids_all}, [])
     calls: dict[str, list[int]] = {}
     lease_ids: dict[str, list[str]] = {}
     drops: list[int] = []
@@ -151,30 +143,6 @@ def plan_renew(
             add_index(i)
             add_lease(lease_id)
     return RenewPlan(ids, records, now, leases, calls, lease_ids, drops)
-
-
-_LEASE_ID, _PARAMS, _EXPIRES_AT = attrgetter("lease_id"), attrgetter("params"), attrgetter("expires_at")
-_CONTROL, _DECODE = attrgetter("control"), attrgetter("decode")
-
-
-def _one_node(
-    records: Sequence[ConversationRecord | None], now: float, resolve: ControlResolver
-) -> str | None:
-    """The configured control endpoint of every record where each one is live (a record, a
-    handle, a lease end after ``now``) and all name the same (control URL, decode URL), else
-    ``None`` (then ``plan_renew`` decides per id). Each check is one pass in C."""
-    if not records or not all(records):  # (a record is always true: no ``__len__``)
-        return None
-    live: Sequence[ConversationRecord] = records  # type: ignore[assignment]
-    if min(map(_EXPIRES_AT, live)) <= now or any(map(is_, map(_PARAMS, live), repeat(None))):
-        return None
-    first = live[0]
-    url, decode = first.control, first.decode
-    if list(map(_CONTROL, live)).count(url) != len(live) or list(map(_DECODE, live)).count(decode) != len(
-        live
-    ):
-        return None
-    return resolve(url, decode)
 
 
 def settle_renew(

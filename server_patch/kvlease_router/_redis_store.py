@@ -28,13 +28,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from itertools import islice, repeat
-from operator import is_, itemgetter, setitem
+from itertools import islice
+from operator import is_, itemgetter
 from typing import Any
 
 import orjson
 
-from kvlease_router._store import ConversationRecord, PutItem, RecordSeal, StoreError, drain, own_copy
+from kvlease_router._store import ConversationRecord, PutItem, RecordSeal, StoreError, own_copy
 
 __all__ = ["RedisStore", "redis_client_from_url"]
 
@@ -501,11 +501,12 @@ class RedisStore:
         if fps is None:
             fps = "".join(map(_FP, entries))
         # The memo as Redis will be: the new lease end, and the record's in place (as the memory
-        # store: the store's own copy; a holder sees the lease as it now is; D has renewed it),
-        # each in one pass in C. Set before the write, so no second pass: where the write fails or
+        # store: the store's own copy; a holder sees the lease as it now is; D has renewed it).
+        # Set before the write, so no second pass: where the write fails or
         # misses, Redis's lease end differs from this one and the next read checks Redis's anew.
-        drain(map(setitem, entries, repeat(1), repeat(code)))
-        drain(map(_set, map(_REC, entries), repeat("expires_at"), repeat(expires_at)))
+        for entry in entries:
+            entry[1] = code
+            _set(entry[2], "expires_at", expires_at)
         dumps = orjson.dumps
         args = [
             self._prefix,

@@ -35,8 +35,8 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields, replace
-from itertools import compress, repeat
-from operator import is_, itemgetter, setitem
+from itertools import compress
+from operator import itemgetter
 from typing import Any, Protocol
 
 import orjson
@@ -286,11 +286,6 @@ def _same(a: str, b: str) -> bool:
         return False
 
 
-def drain(it: Iterable[object]) -> None:
-    """Run an iterator to its end (the per-id work of a ``map`` in C, no Python loop)."""
-    deque(it, maxlen=0)
-
-
 _RECORD_FIELDS = tuple(f.name for f in fields(ConversationRecord))
 
 
@@ -347,7 +342,10 @@ class MemoryStore:
     #: An entry's deadline and record (``entry[0]``, ``entry[1]``), in C.
     _DEADLINE, _RECORD = itemgetter(0), itemgetter(1)
 
-    _drain = staticmethod(drain)
+    @staticmethod
+    def _drain(it: Iterable[object]) -> None:
+        """Run an iterator to its end (the per-id work of a ``map`` in C, no Python loop)."""
+        deque(it, maxlen=0)
 
     _own_copy = staticmethod(own_copy)
 
@@ -359,6 +357,9 @@ class MemoryStore:
         #: key -> [deadline (clock seconds), the store's own copy of the record]
         self._data: OrderedDict[str, list[Any]] = OrderedDict()
         self.evictions = 0
+        #: The keys (the caller's list object) and entries of the last ``get_many`` that found every
+        #: key live, so its renewal finds the entries without a second lookup per key.
+        self._last_read: tuple[Sequence[str], list[list[Any]]] | None = None
 
     def __len__(self) -> int:
         return len(self._data)
@@ -387,6 +388,7 @@ class MemoryStore:
         if min(map(self._DEADLINE, live)) > now:  # none expired (a keeper's renew): in C, per id
             self._drain(map(move, compress(keys, entries)))  # the LRU moves of the hits, in order
             if len(live) == len(entries):
+                self._last_read = (keys, live)
                 return list(map(self._RECORD, live))
             return [None if entry is None else entry[1] for entry in entries]
         out: list[ConversationRecord | None] = []
@@ -417,19 +419,23 @@ class MemoryStore:
         now = self._clock()
         deadline = now + keep_for
         data = self._data  # no LRU move: ``get_many`` of this renew made them recent
-        get = data.get
-        entries: list[list[Any] | None] = list(map(get, keys))
-        if (
-            keep_for > 0
-            and entries
-            and all(entries)  # (an entry is a 2-item list: always true)
-            and all(map(is_, map(self._RECORD, entries), records))  # type: ignore[arg-type]
-            and min(map(self._DEADLINE, entries)) > now  # type: ignore[arg-type]
-        ):
-            # every one still the record read, and live (a keeper's renew): the loop below, in C
-            self._drain(map(setitem, entries, repeat(0), repeat(deadline)))  # type: ignore[arg-type]
-            self._drain(map(object.__setattr__, records, repeat("expires_at"), repeat(expires_at)))
+        set_ = object.__setattr__
+        last, self._last_read = self._last_read, None
+        if last is not None and last[0] is keys and len(records) == len(keys) and keep_for > 0:
+            # the entries that read these records (no lookup per key): an entry a turn replaced or
+            # a release removed since is no longer in ``data``, and its record is not the one read
+            # or no longer stored, so renewing it changes nothing stored
+            for key, entry, record in zip(keys, last[1], records):
+                if entry[1] is not record:
+                    continue
+                if now >= entry[0]:  # expired meanwhile: gone, as below
+                    if data.get(key) is entry:
+                        del data[key]
+                    continue
+                entry[0] = deadline
+                set_(record, "expires_at", expires_at)  # see below
             return
+        get = data.get
         for key, record in zip(keys, records):
             entry = get(key)
             if entry is None or entry[1] is not record:  # gone, or replaced meanwhile
@@ -441,7 +447,7 @@ class MemoryStore:
             # The one write to a stored record, and why it is safe: the store copied it on ``put``
             # (no caller's object changes), only its lease end moves, and a holder of it (a turn
             # or renew that read it) sees the lease as it now is. Set as ``__init__`` sets it.
-            object.__setattr__(record, "expires_at", expires_at)
+            set_(record, "expires_at", expires_at)
 
     async def put(self, key: str, state: ConversationRecord, keep_for: float) -> None:
         self._put(key, state, keep_for, self._clock())

@@ -84,8 +84,8 @@ def test_plan_renew_groups_by_node_in_id_order() -> None:
 )
 @pytest.mark.parametrize("at", [0, 20, 49])
 def test_a_keepers_renew_decides_each_id_as_alone(odd: ConversationRecord | None, at: int) -> None:
-    """A renew of many ids on one D (a keeper's: decided in bulk) with one id that is not like the
-    others anywhere in it: every id is decided as it would be alone (the per-id table above)."""
+    """A renew of many ids on one D (a keeper's) with one id that is not like the others anywhere
+    in it: every id is decided as it would be alone (the per-id table above)."""
     n = 50
     recs: list[ConversationRecord | None] = [_rec(lease_id=f"l{i}") for i in range(n)]
     recs[at] = odd

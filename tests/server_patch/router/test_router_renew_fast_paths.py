@@ -146,9 +146,12 @@ async def test_get_many_is_get_of_each(lives: dict[str, float], keys: list[str])
         ({"k0": 10, "k1": 10, "k2": 10}, set(), 0.0),  # kept no longer: removed
     ],
 )
+@pytest.mark.parametrize("as_read", [True, False], ids=["the-read-keys", "other-keys"])
 async def test_renew_many_renews_what_is_still_there(
-    lives: dict[str, float], replaced: set[str], keep_for: float
+    lives: dict[str, float], replaced: set[str], keep_for: float, as_read: bool
 ) -> None:
+    """``as_read``: the renewal gets the very key list the read got (the renew handler's call:
+    the read's entries are reused, no lookup per key), or an equal copy (each key looked up)."""
     keys = ["k0", "k1", "k2"]
     store, clock = await _store({k: 10 for k in keys})
     read = await store.get_many(keys)
@@ -160,7 +163,7 @@ async def test_renew_many_renews_what_is_still_there(
         elif key in replaced:
             await store.put(key, _rec(99), 10)
     clock.now = 1005.0
-    await store.renew_many(keys, read, 7777.0, keep_for)  # type: ignore[arg-type]
+    await store.renew_many(keys if as_read else list(keys), read, 7777.0, keep_for)  # type: ignore[arg-type]
     for key, rec in zip(keys, read):
         got = await store.get(key)
         if keep_for <= 0 or key not in lives or lives[key] < 10:
