@@ -8,6 +8,7 @@ object per open conversation, and does the bookkeeping of closing one or all of 
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import types
@@ -46,26 +47,23 @@ class _Bound:
     ``X-Conversation-Id``: the real openai methods, without an openai client copy per conversation
     (a few hundred bytes instead of a few kilobytes, for agents with thousands of conversations)."""
 
-    __slots__ = ("_children", "_cid", "_target")
+    __slots__ = ("__dict__", "_cid", "_target")
 
     def __init__(self, target: Any, conversation_id: str) -> None:
         self._target = target
         self._cid = conversation_id
-        #: the bound resources and methods handed out, by name: an agent looks up
-        #: ``conv.chat.completions.create`` on every turn, and openai's resources and their methods
-        #: do not change, so each is wrapped once per conversation
-        self._children: dict[str, _Bound | _Call] = {}
 
     def __getattr__(self, name: str) -> Any:
-        child = self._children.get(name)
-        if child is not None:
-            return child
+        """The first lookup of ``name``: the bound resource or method is kept as an instance
+        attribute (an agent looks up ``conv.chat.completions.create`` on every turn, and openai's
+        resources and their methods do not change), so later lookups are plain attribute reads that
+        do not come here."""
         value = getattr(self._target, name)
         if name.startswith("_") or isinstance(value, _PLAIN):
             return value
         child = _Call(value, self._cid) if isinstance(value, _METHODS) else _Bound(value, self._cid)
-        if len(self._children) < _MAX_CHILDREN:
-            self._children[name] = child
+        if len(self.__dict__) < _MAX_CHILDREN:
+            self.__dict__[name] = child
         return child
 
     def __repr__(self) -> str:
@@ -115,8 +113,6 @@ class BaseConversation(Generic[C]):
         self._base: C = base
         self._state = state
         self._client: C | None = None
-        self._chat: _Bound | None = None
-        self._completions: _Bound | None = None
 
     @property
     def id(self) -> str:
@@ -130,19 +126,16 @@ class BaseConversation(Generic[C]):
             self._client = self._base.with_options(default_headers={protocol.HEADER_CONVERSATION_ID: self.id})
         return self._client
 
-    @property
+    # cached_property: built on the first lookup, then an instance attribute (no call per turn)
+    @functools.cached_property
     def chat(self) -> Any:
         """``conv.chat.completions.create(...)``: the openai method, in this conversation."""
-        if self._chat is None:
-            self._chat = _Bound(self._base.chat, self._state.id)
-        return self._chat
+        return _Bound(self._base.chat, self._state.id)
 
-    @property
+    @functools.cached_property
     def completions(self) -> Any:
         """``conv.completions.create(...)``: legacy completions, in this conversation."""
-        if self._completions is None:
-            self._completions = _Bound(self._base.completions, self._state.id)
-        return self._completions
+        return _Bound(self._base.completions, self._state.id)
 
     @property
     def turns(self) -> list[Turn]:

@@ -8,7 +8,8 @@ Type checking sees ``httpx2`` (the two families share one API).
 from __future__ import annotations
 
 import importlib
-from collections.abc import Collection
+import operator
+from collections.abc import Callable, Collection
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -60,8 +61,9 @@ def _items_of(headers: Any) -> list[tuple[bytes, bytes, bytes]]:
     return [(key, key.lower(), value) for key, value in headers.raw]
 
 
-def _lowered_list(headers: Any) -> list[tuple[bytes, bytes, bytes]]:
-    return headers._list  # type: ignore[no-any-return]
+#: the headers' own list of ``(raw name, lower-case name, value)`` (httpx and httpx2 keep one):
+#: an attribute read in C, so reading a few headers of a request is one pass and no extra call
+_lowered_list: Callable[[Any], list[tuple[bytes, bytes, bytes]]] = operator.attrgetter("_list")
 
 
 def _has_lowered_list() -> bool:
@@ -72,8 +74,8 @@ def _has_lowered_list() -> bool:
         return False
 
 
-#: the headers' own list of lower-cased names when this family keeps one (httpx and httpx2 do), so
-#: reading a few headers is one pass over it; else the public ``raw`` list, lower-cased here
+#: the headers' own list of lower-cased names when this family keeps one, else the public ``raw``
+#: list, lower-cased here
 _header_items = _lowered_list if _has_lowered_list() else _items_of
 
 
@@ -81,10 +83,11 @@ def header_values(headers: hx.Headers, names: Collection[bytes]) -> dict[bytes, 
     """The headers among ``names`` (lower-case) that ``headers`` has, keyed by those names: what
     ``headers.get(name)`` returns for each (repeated headers joined with ``", "``), in one pass."""
     out: dict[bytes, str] = {}
-    for key, value in [(key, value) for _, key, value in _header_items(headers) if key in names]:
-        try:
-            text = value.decode("ascii")
-        except UnicodeDecodeError:
-            text = value.decode(headers.encoding)
-        out[key] = out[key] + ", " + text if key in out else text
+    for _, key, value in _header_items(headers):
+        if key in names:
+            try:
+                text = value.decode("ascii")
+            except UnicodeDecodeError:
+                text = value.decode(headers.encoding)
+            out[key] = out[key] + ", " + text if key in out else text
     return out

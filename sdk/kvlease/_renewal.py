@@ -135,11 +135,19 @@ class RenewalSchedule:
         if router is None:
             router = self._routers[root] = _Router(ttl, headers, now + self.renew_fraction * ttl)
         else:
-            if headers:
+            if headers and headers != router.headers:  # (the same headers every turn, mostly)
                 router.headers = dict(headers)
-            router.ttl = min(router.ttl, ttl) if router.leases else ttl
-            router.next_due = min(router.next_due, now + self.renew_fraction * ttl)
-        router.leases[conversation_id] = _Lease(now + ttl, now, explicit)
+            if router.leases:
+                router.ttl = min(router.ttl, ttl)
+                router.next_due = min(router.next_due, now + self.renew_fraction * ttl)
+            else:  # none open there: a fresh schedule (a due time left by closed leases is stale)
+                router.ttl = ttl
+                router.next_due = now + self.renew_fraction * ttl
+        lease = router.leases.get(conversation_id)
+        if lease is None:
+            router.leases[conversation_id] = _Lease(now + ttl, now, explicit)
+        else:  # a conversation's next turn: its lease, updated in place (its place in the order kept)
+            lease.expires_at, lease.last_active, lease.explicit = now + ttl, now, explicit
         self._where[conversation_id] = root
         return router.next_due
 

@@ -156,7 +156,7 @@ class Verdict:
     @property
     def reuse_off(self) -> bool:
         """Send the reuse opt-out: the history breaks the prefix and was not repaired."""
-        return self.history.breaks_prefix and not self.reattached
+        return self.history in _BREAKING and not self.reattached  # (breaks_prefix, read per turn)
 
 
 def split_think(content: str | None) -> tuple[str | None, str]:
@@ -334,13 +334,18 @@ class StripDetector:
         self, sent: Mapping[str, Any], reply: AssistantReply
     ) -> tuple[HistoryClass, str, str, dict[str, Any] | None]:
         """``(class, detail, fix, repaired message or None)`` for the resent assistant message."""
-        if not _same_tool_calls(normalize_tool_calls(sent.get("tool_calls")), reply.tool_calls):
-            if not sent.get("tool_calls"):
+        sent_calls = sent.get("tool_calls")
+        # (no tool calls on either side, most turns: the same, without normalizing nothing)
+        if (sent_calls or reply.tool_calls) and not _same_tool_calls(
+            normalize_tool_calls(sent_calls), reply.tool_calls
+        ):
+            if not sent_calls:
                 detail = "the tool calls the model made were dropped from the resent message"
             else:
                 detail = "the resent tool calls differ from what the model returned"
             return HistoryClass.TOOL_CALLS_CHANGED, detail, _FIX_TOOLS, None
-        sent_text = _text_of(sent.get("content"))
+        content = sent.get("content")
+        sent_text = content.strip() if isinstance(content, str) else _text_of(content)
         returned = (reply.content or "").strip()
         if sent_text == returned:
             if reply.reasoning is None:

@@ -46,10 +46,9 @@ def _begin(tracker: Tracker, request: hx.Request) -> Pending | None:
         body = request.content
     except hx.RequestNotRead:  # a streamed upload: not a completion request kvlease understands
         return None
-    url = request.url
-    origin = f"{url.scheme}://{url.netloc.decode('ascii')}"
+    origin, path = _target(request.url)
     t0, started = _perf(), _wall()
-    pending = tracker.begin(cid, origin, url.path, auth_headers(found), body, t0, started)
+    pending = tracker.begin(cid, origin, path, auth_headers(found), body, t0, started)
     if pending is None:
         return None
     if pending.body is not body:
@@ -61,6 +60,11 @@ def _begin(tracker: Tracker, request: hx.Request) -> Pending | None:
     if pending.reuse_off:
         request.headers[protocol.HEADER_REUSE] = protocol.REUSE_OFF
     return pending
+
+
+def _target(url: hx.URL) -> tuple[str, str]:
+    """The origin (``scheme://host[:port]``) and the path of a request URL."""
+    return f"{url.scheme}://{url.netloc.decode('ascii')}", url.path
 
 
 def _finish(tracker: Tracker, pending: Pending, *, complete: bool) -> None:
@@ -112,7 +116,8 @@ class _ObservedStream(hx.SyncByteStream):
         try:
             self._stream.close()
         finally:
-            _finish(self._tracker, self._pending, complete=False)
+            if not self._pending.done:  # (a body read to its end was recorded then)
+                _finish(self._tracker, self._pending, complete=False)
 
     @property
     def elapsed(self) -> Any:
@@ -147,7 +152,8 @@ class _AsyncObservedStream(hx.AsyncByteStream):
         try:
             await self._stream.aclose()
         finally:
-            _finish(self._tracker, self._pending, complete=False)
+            if not self._pending.done:
+                _finish(self._tracker, self._pending, complete=False)
 
     @property
     def elapsed(self) -> Any:

@@ -27,6 +27,25 @@ def test_nothing_due_before_sixty_percent_of_ttl() -> None:
     assert batches[0].headers == AUTH
 
 
+@pytest.mark.parametrize("closed_by", ["forget", "idle"])
+def test_a_new_lease_after_all_closed_is_not_renewed_at_once(closed_by: str) -> None:
+    """Every lease on a router closed (released, or dropped as idle), then a new conversation
+    there: its first renewal is a fraction of its TTL away, not the stale due time the closed
+    leases left (which woke the keeper for a pointless renew on every new conversation)."""
+    t = RenewalSchedule(max_idle=50.0)
+    t.activate("a", R1, 100.0, AUTH, now=0.0, explicit=True)
+    if closed_by == "forget":
+        t.forget("a")
+    else:
+        assert t.due(60.0)[1] and not t.due(200.0)[0]  # renewed at 60, then idle at 200
+    assert t.next_wakeup() is None
+    due = t.activate("b", R1, 100.0, AUTH, now=500.0, explicit=True)
+    assert due == pytest.approx(560.0) and t.next_wakeup() == pytest.approx(560.0)
+    assert t.due(500.1) == ([], [])
+    t.activate("c", R1, 30.0, AUTH, now=510.0, explicit=True)  # with one open: the shorter one wins
+    assert t.next_wakeup() == pytest.approx(528.0)
+
+
 def test_one_batch_per_router_for_many_conversations() -> None:
     t = _table()
     for i in range(10_050):
