@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from kvlease import protocol
+from kvlease import _json, protocol
 from kvlease._strip import AssistantReply, ToolCall
 from kvlease.protocol import REASONING_FIELDS
 
@@ -145,23 +145,15 @@ class ResponseObserver:
     def _json_body(self, body: bytes) -> None:
         if self._decoder is not None:
             body = self._decoder.decompress(body) + self._decoder.flush()
-        try:  # kvlease._json.loads, inlined (one JSON body per call), then choice 0
-            data = _orjson_loads(body)
-        except _OrjsonError:
-            try:
-                data = json.loads(body)  # what orjson refuses and json reads (NaN, Infinity)
-            except ValueError:
-                return
+        try:
+            data = _json.loads(body)
+        except ValueError:
+            return
         if not isinstance(data, dict):
             return
         self._usage = data.get("usage")
-        choices = data.get("choices")
-        if not isinstance(choices, list):
-            return
-        for choice in choices:
-            if isinstance(choice, dict) and choice.get("index", 0) == 0:
-                break
-        else:
+        choice = _choice0(data.get("choices"))
+        if choice is None:
             return
         message = choice.get("message")
         if isinstance(message, dict):
@@ -197,7 +189,7 @@ class ResponseObserver:
             self._data(data, now)
 
     def _data(self, data: bytes, now: float) -> None:
-        # the hot path of a streamed reply (one call per event): kvlease._json.loads and the choice 0 lookup inlined
+        # the hot path of a streamed reply (one call per event): _json.loads and _choice0 inlined
         try:
             obj = _orjson_loads(data)
         except _OrjsonError:
@@ -267,6 +259,15 @@ class ResponseObserver:
                 acc.name = fn["name"] if acc.name is None else acc.name + fn["name"]
             if isinstance(fn.get("arguments"), str):
                 acc.args.append(fn["arguments"])
+
+
+def _choice0(choices: object) -> dict[str, Any] | None:
+    if not isinstance(choices, list):
+        return None
+    for c in choices:
+        if isinstance(c, dict) and c.get("index", 0) == 0:
+            return c
+    return None
 
 
 def _int(v: object) -> int | None:
