@@ -144,7 +144,6 @@ class Pending:
         "auth",
         "body",
         "body_prefix",
-        "breaks",
         "done",
         "header_at",
         "observer",
@@ -187,7 +186,6 @@ class Pending:
         # behind a router whose P verifies tokens, a changed history keeps reuse on (verified prefix)
         self.reuse_off = breaks and not verifies
         self.verified_reuse = breaks and verifies
-        self.breaks = breaks  # the history breaks the prefix (either of the two above)
         self.verified: bool | None = None
         self.origin = origin
         self.path = path
@@ -212,10 +210,6 @@ def inject_conversation_id(body: bytes, conversation_id: str, *, has_key: bool |
     level has the key, when the caller parsed it (else the bytes are searched for it, which also
     finds it nested: the body is then left as it is).
     """
-    if has_key is False and body.startswith(b'{"'):  # what openai sends: a key right after "{"
-        return b"".join(
-            (b"{" + _BODY_KEY + b':"' + conversation_id.encode("ascii") + b'",', memoryview(body)[1:])
-        )
     start = body.find(b"{")
     if start < 0 or (start and body[:start].strip()):
         return body
@@ -384,8 +378,7 @@ class Tracker:
         pending = Pending(
             state, verdict, body, origin, path, auth, t0, started_at, prefix, root=root, verifies=verifies
         )
-        if pending.breaks:
-            assert verdict is not None
+        if verdict is not None and (pending.reuse_off or pending.verified_reuse):  # the history breaks
             self._report(state, verdict, reuse_off=pending.reuse_off)
         return pending
 

@@ -156,7 +156,7 @@ class Verdict:
     @property
     def reuse_off(self) -> bool:
         """Send the reuse opt-out: the history breaks the prefix and was not repaired."""
-        return self.history in _BREAKING and not self.reattached  # (breaks_prefix, read per turn)
+        return self.history.breaks_prefix and not self.reattached
 
 
 def split_think(content: str | None) -> tuple[str | None, str]:

@@ -421,27 +421,17 @@ class MemoryStore:
         data = self._data  # no LRU move: ``get_many`` of this renew made them recent
         set_ = object.__setattr__
         last, self._last_read = self._last_read, None
-        if last is not None and last[0] is keys and len(records) == len(keys) and keep_for > 0:
-            # the entries that read these records (no lookup per key): an entry a turn replaced or
-            # a release removed since is no longer in ``data``, and its record is not the one read
-            # or no longer stored, so renewing it changes nothing stored
-            for key, entry, record in zip(keys, last[1], records):
-                if entry[1] is not record:
-                    continue
-                if now >= entry[0]:  # expired meanwhile: gone, as below
-                    if data.get(key) is entry:
-                        del data[key]
-                    continue
-                entry[0] = deadline
-                set_(record, "expires_at", expires_at)  # see below
-            return
-        get = data.get
-        for key, record in zip(keys, records):
-            entry = get(key)
+        # the entries that read these records where this renewal follows that read (no lookup per
+        # key): an entry a turn replaced or a release removed since is no longer in ``data``, and
+        # its record is not the one read or no longer stored, so renewing it changes nothing stored
+        reuse = last is not None and last[0] is keys and len(records) == len(keys)
+        entries: Iterable[list[Any] | None] = last[1] if reuse else map(data.get, keys)  # type: ignore[index]
+        for key, entry, record in zip(keys, entries, records):
             if entry is None or entry[1] is not record:  # gone, or replaced meanwhile
                 continue
             if now >= entry[0] or keep_for <= 0:
-                del data[key]
+                if data.get(key) is entry:
+                    del data[key]
                 continue
             entry[0] = deadline
             # The one write to a stored record, and why it is safe: the store copied it on ``put``
