@@ -137,6 +137,29 @@ def test_router_runs_without_vllm() -> None:
     assert out.stdout.strip() == "ok Application"
 
 
+def test_the_protocol_runs_inside_vllm_without_the_sdks_dependencies() -> None:
+    """The connector runs inside vLLM's environment, with only the ``connector`` extra installed:
+    ``kvlease`` and ``kvlease.protocol`` import there (the SDK's own dependencies blocked) and
+    parse a renew body."""
+    code = textwrap.dedent(
+        """
+        import sys, importlib.abc
+        class Block(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in ("orjson", "tenacity", "typer", "rich", "openai"):
+                    raise ImportError(f"blocked for this test: {name}")
+                return None
+        sys.meta_path.insert(0, Block())
+        import kvlease
+        from kvlease import __version__, protocol
+        print(protocol.RenewRequest.from_json({"conversation_ids": ["a", "b"]}).conversation_ids)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "('a', 'b')"
+
+
 def test_deprecated_router_alias() -> None:
     sys.modules.pop("kvlease_vllm.router", None)
     with warnings.catch_warnings(record=True) as caught:

@@ -8,8 +8,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Final
 
-import orjson
-
 from kvlease.protocol._common import (
     PROTOCOL_VERSION,
     RENEW_MAX_IDS,
@@ -222,6 +220,8 @@ class RenewResponse:
         """``orjson.dumps(self.to_json())``, byte for byte. Where every id has the same lease (a
         keeper's renew that D renewed alike, or all unknown) and no id needs a JSON escape, the ids
         are joined around that lease's one serialized object instead of serializing it once per id."""
+        import orjson  # here: the protocol also runs inside vLLM (the connector), without orjson
+
         leases = self.leases
         values = set(leases.values())
         if len(values) != 1 or not _json_plain(leases):
