@@ -12,7 +12,7 @@ import functools
 import os
 import secrets
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Final, Generic, TypeAlias, TypeVar
 
 import openai
@@ -61,7 +61,10 @@ class _Bound:
         value = getattr(self._target, name)
         if name.startswith("_") or isinstance(value, _PLAIN):
             return value
-        child = _Call(value, self._cid) if isinstance(value, _METHODS) else _Bound(value, self._cid)
+        if isinstance(value, _METHODS):
+            child: Any = _Call(value, self._cid, body=name in _BODY_METHODS)
+        else:
+            child = _Bound(value, self._cid)
         if len(self.__dict__) < _MAX_CHILDREN:
             self.__dict__[name] = child
         return child
@@ -71,28 +74,42 @@ class _Bound:
 
 
 _PLAIN: Final = (str, bytes, int, float, bool, type(None), type)
+_HEADER: Final = protocol.HEADER_CONVERSATION_ID
+_BODY_KEY: Final = protocol.BODY_CONVERSATION_ID
 #: Bound names one resource remembers (openai's have a handful; ``getattr`` of arbitrary names is
 #: not a way to grow a conversation without bound).
 _MAX_CHILDREN: Final = 32
 _METHODS: Final = (types.MethodType, types.FunctionType)
+#: The methods of ``chat.completions`` and ``completions`` that POST a completion request: the id
+#: also goes into their body, as openai's ``extra_body`` (openai writes it into the JSON it
+#: serializes, so the transport need not rewrite the body; others get the header only)
+_BODY_METHODS: Final = frozenset({"create", "parse", "stream"})
 
 
 class _Call:
-    """An openai method called with ``X-Conversation-Id`` added to its ``extra_headers``. It looks
+    """An openai method called with ``X-Conversation-Id`` added to its ``extra_headers`` (and, for a
+    completion request, ``conversation_id`` to its ``extra_body``, unless the caller set one). It looks
     like the method as ``functools.wraps`` would show it (``__wrapped__``, so ``inspect.signature``
     gives the method's; ``__name__``, ``__qualname__``, ``__doc__``) at a fraction of the cost of
     building a wrapper function on every ``conv.chat.completions.create`` lookup."""
 
-    __slots__ = ("__wrapped__", "_cid")
+    __slots__ = ("__wrapped__", "_body", "_cid")
 
-    def __init__(self, method: Callable[..., Any], conversation_id: str) -> None:
+    def __init__(self, method: Callable[..., Any], conversation_id: str, *, body: bool = False) -> None:
         self.__wrapped__ = method
         self._cid = conversation_id
+        self._body = body
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        cid = self._cid
         extra = kwargs.get("extra_headers")
-        header = protocol.HEADER_CONVERSATION_ID
-        kwargs["extra_headers"] = {**extra, header: self._cid} if extra else {header: self._cid}
+        kwargs["extra_headers"] = {**extra, _HEADER: cid} if extra else {_HEADER: cid}
+        if self._body:
+            body = kwargs.get("extra_body")
+            if not body:
+                kwargs["extra_body"] = {_BODY_KEY: cid}
+            elif isinstance(body, Mapping) and _BODY_KEY not in body:
+                kwargs["extra_body"] = {_BODY_KEY: cid, **body}
         return self.__wrapped__(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:  # __name__, __qualname__, __self__, ...
@@ -140,16 +157,16 @@ class BaseConversation(Generic[C]):
     @property
     def turns(self) -> list[Turn]:
         """Completed turns, oldest first (a copy)."""
-        return list(self._state.turns)
+        return list(self._state.turn_list())
 
     @property
     def reuse_off_turns(self) -> int:
         """Turns sent with reuse off (:data:`~kvlease.protocol.HEADER_REUSE`) because the history was not exact."""
-        return sum(1 for t in self._state.turns if t.reuse_forced_off)
+        return sum(1 for t in self._state.turn_list() if t.reuse_forced_off)
 
     @property
     def last_history(self) -> HistoryClass | None:
-        return self._state.turns[-1].history if self._state.turns else None
+        return self._state.turn_list()[-1].history if self._state.turns else None
 
     @property
     def closed(self) -> bool:

@@ -25,13 +25,13 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Final, Protocol
+from typing import Any, Final, Protocol
 
 from kvlease import _json, protocol
 from kvlease._errors import ReuseOffWarning, warn_at_caller
-from kvlease._http import header_values, hx
-from kvlease._observe import ResponseObserver
-from kvlease._strip import HistoryClass, ReasoningPolicy, StripDetector, Verdict
+from kvlease._http import header_bytes, header_text, hx
+from kvlease._observe import ResponseObserver, json_reply, usage_tokens
+from kvlease._strip import AssistantReply, HistoryClass, ReasoningPolicy, StripDetector, Verdict
 from kvlease.protocol import ReuseStatus
 
 __all__ = [
@@ -51,20 +51,15 @@ AUTH_HEADERS: Final = tuple(
     h.lower()
     for h in (protocol.HEADER_AUTHORIZATION, protocol.HEADER_API_KEY, protocol.DEFAULT_TENANT_HEADER)
 )
-#: What the transport reads of a request's headers: the conversation id and the authorization.
-REQUEST_HEADERS: Final = frozenset(
-    name.lower().encode("ascii") for name in (protocol.HEADER_CONVERSATION_ID, *AUTH_HEADERS)
-)
+#: The request header the transport tracks a request by, lower-case.
 CID_KEY: Final = protocol.HEADER_CONVERSATION_ID.lower().encode("ascii")
 _AUTH_KEYS: Final = tuple((name.encode("ascii"), name) for name in AUTH_HEADERS)
 #: What ``Tracker.response`` reads of a response's headers.
-RESPONSE_HEADERS: Final = frozenset(
-    name.lower().encode("ascii") for name in (*protocol.RESPONSE_HEADERS, "content-type", "content-encoding")
-)
 _STATUS_KEY: Final = protocol.HEADER_STATUS.lower().encode("ascii")
 _REUSED_KEY: Final = protocol.HEADER_REUSED_TOKENS.lower().encode("ascii")
 _TTL_KEY: Final = protocol.HEADER_TTL.lower().encode("ascii")
 _VERIFIED_KEY: Final = protocol.HEADER_VERIFIED.lower().encode("ascii")
+_VERIFIED_VALUE: Final = protocol.VERIFIED_TOKENS.encode("ascii")
 #: States of header-tracked conversations whose lease was dropped (idle, unknown to the router),
 #: kept for their next turn: the strip detector and the turn records outlive the lease.
 _RETIRED_MAX: Final = 4096
@@ -92,6 +87,7 @@ class Turn:
     headers.
     """
 
+    # (Tracker builds a turn from its fields in this order: ``Turn(*fields)``)
     index: int
     conversation_id: str
     started_at: float
@@ -123,10 +119,21 @@ class ConversationState:
         # the start of the chat body the detector recorded last (its history): the next body that
         # begins with it is read from there on (set together with detector.record)
         self.body_prefix: _json.BodyPrefix | None = None
-        self.turns: list[Turn] = []
+        #: completed turns, oldest first: a :class:`Turn`, or the tuple of its fields until it is
+        #: first read (:meth:`turn_list`): most turns are never read, and a frozen dataclass costs
+        #: a call per field to build
+        self.turns: list[Turn | tuple[Any, ...]] = []
         self.warned = False
         self.closed = False
         self.last_ended_at: float | None = None
+
+    def turn_list(self) -> list[Turn]:
+        """The completed turns, oldest first (the state's own list, each turn built on first read)."""
+        turns = self.turns
+        for i, t in enumerate(turns):
+            if type(t) is tuple:
+                turns[i] = Turn(*t)
+        return turns  # type: ignore[return-value]
 
 
 class LeaseSink(Protocol):
@@ -152,6 +159,7 @@ class Pending:
         "reuse_off",
         "reused_tokens",
         "root",
+        "sse",
         "started_at",
         "state",
         "status",
@@ -197,7 +205,8 @@ class Pending:
         self.status: ReuseStatus | None = None
         self.reused_tokens: int | None = None
         self.ttl: float | None = None
-        self.observer: ResponseObserver | None = None
+        self.observer: ResponseObserver | None = None  # (a streamed body's reader)
+        self.sse = False
         self.done = False
         self.header_at = t0
 
@@ -210,10 +219,10 @@ def inject_conversation_id(body: bytes, conversation_id: str, *, has_key: bool |
     level has the key, when the caller parsed it (else the bytes are searched for it, which also
     finds it nested: the body is then left as it is).
     """
+    if has_key or (has_key is None and _BODY_KEY in body):
+        return body
     start = body.find(b"{")
     if start < 0 or (start and body[:start].strip()):
-        return body
-    if has_key or (has_key is None and _BODY_KEY in body):
         return body
     head = b"{" + _BODY_KEY + b':"' + conversation_id.encode("ascii") + b'"'
     rest = memoryview(body)[start + 1 :]  # the body is copied once, into the result
@@ -426,110 +435,150 @@ class Tracker:
             )
         )
 
-    def response(self, p: Pending, status_code: int, headers: hx.Headers, now: float) -> None:
-        """The response headers of a tracked request arrived (``now``: the clock ``t0`` was read from)."""
+    def response(
+        self, p: Pending, status_code: int, headers: hx.Headers, now: float, *, stream: bool = True
+    ) -> None:
+        """The response headers of a tracked request arrived (``now``: the clock ``t0`` was read from).
+        ``stream``: the body will be fed to ``p.observer`` as it is read (then :meth:`finish`); else
+        it is read whole and handed to :meth:`finish_body`."""
         p.header_at = now
         p.status_code = status_code
-        got = header_values(headers, RESPONSE_HEADERS)
-        if got:
-            status = got.get(_STATUS_KEY)
-            p.status = None if status is None else _reuse_status(status)
-            p.reused_tokens = _parse_int(got.get(_REUSED_KEY))
-            p.ttl = _parse_float(got.get(_TTL_KEY))
-            verified = got.get(_VERIFIED_KEY)
-            if verified is not None:
-                p.verified = verified.strip().lower() == protocol.VERIFIED_TOKENS
+        got = header_bytes(headers)
+        status = got.get(_STATUS_KEY)
+        if status is not None:
+            p.status = _reuse_status(status)
+        reused = got.get(_REUSED_KEY)
+        if reused is not None:
+            p.reused_tokens = _parse_int(reused)
+        ttl = got.get(_TTL_KEY)
+        if ttl is not None:
+            p.ttl = _parse_float(ttl)
+        verified = got.get(_VERIFIED_KEY)
+        if verified is not None:
+            p.verified = verified.strip().lower() == _VERIFIED_VALUE
         if 200 <= status_code < 300:
             # a completion answered: what it says of P is the router's mode (no header: stock)
             verifies = p.verified is True
             known = self._verifies.get(p.root)
             if known is not verifies and (known is not None or len(self._verifies) < 256):
                 self._verifies[p.root] = verifies
-            content_type = got.get(b"content-type") or ""
-            p.observer = ResponseObserver(
-                sse=content_type.startswith("text/event-stream"),
-                content_encoding=got.get(b"content-encoding"),
-            )
+            sse = p.sse = got.get(b"content-type", b"").startswith(b"text/event-stream")
+            if stream:
+                encoding = got.get(b"content-encoding")
+                p.observer = ResponseObserver(
+                    sse=sse, content_encoding=None if encoding is None else encoding.decode("latin-1")
+                )
 
-    def finish(self, p: Pending, t_end: float, ended_at: float, *, complete: bool) -> Turn | None:
+    def finish(self, p: Pending, t_end: float, ended_at: float, *, complete: bool) -> None:
         """The response stream ended (``complete``) or was closed early. Idempotent."""
         if p.done:
-            return None
+            return
         p.done = True
         if not 200 <= p.status_code < 300 or p.observer is None:
-            return None
+            return
+        # the observer has a reply only once it saw the whole of it ([DONE] / finish_reason);
+        # openai's sync Stream closes right after [DONE] without draining, so `complete` is False
+        # on every normal sync stream and cannot be the test here
         obs = p.observer.result()
-        sse = p.observer.sse
+        if p.sse:
+            ttft = None if obs.first_token_at is None else obs.first_token_at - p.t0
+        else:
+            ttft = p.header_at - p.t0
+        self._turn(p, obs.reply, obs.prompt_tokens, obs.completion_tokens, ttft, ended_at)
+
+    def finish_body(self, p: Pending, body: bytes | None, t_end: float, ended_at: float) -> None:
+        """A response read whole (``body``, content-decoded; ``None``: the read failed). Idempotent."""
+        if p.done:
+            return
+        p.done = True
+        if not 200 <= p.status_code < 300:
+            return
+        if body is None:
+            self._turn(p, None, None, None, p.header_at - p.t0, ended_at)
+        elif p.sse:  # an event stream, read whole
+            observer = ResponseObserver(sse=True)
+            observer.feed(body, t_end)
+            obs = observer.result()
+            ttft = None if obs.first_token_at is None else obs.first_token_at - p.t0
+            self._turn(p, obs.reply, obs.prompt_tokens, obs.completion_tokens, ttft, ended_at)
+        else:
+            reply, usage = json_reply(body) or (None, None)
+            prompt_tokens, completion_tokens = usage_tokens(usage)
+            self._turn(p, reply, prompt_tokens, completion_tokens, p.header_at - p.t0, ended_at)
+
+    def _turn(
+        self,
+        p: Pending,
+        reply: AssistantReply | None,
+        prompt_tokens: int | None,
+        completion_tokens: int | None,
+        ttft: float | None,
+        ended_at: float,
+    ) -> None:
+        """Record a finished turn: the detector's history, the turn, its lease."""
         state = p.state
         verdict = p.verdict
-        history = verdict.history if verdict is not None else HistoryClass.UNKNOWN
-        if sse:
-            turn_ttft = None if obs.first_token_at is None else obs.first_token_at - p.t0
-        else:
-            turn_ttft = p.header_at - p.t0
+        on_turn = self.on_turn
         with self._lock:
             if verdict is not None:
-                # the observer has a reply only once it saw the whole of it ([DONE] / finish_reason);
-                # openai's sync Stream closes right after [DONE] without draining, so `complete`
-                # is False on every normal sync stream and cannot be the test here
-                state.detector.record(verdict, obs.reply)
+                state.detector.record(verdict, reply)
                 state.body_prefix = p.body_prefix
             last_ended_at = state.last_ended_at
-            turn = Turn(
-                index=len(state.turns),
-                conversation_id=state.id,
-                started_at=p.started_at,
-                ended_at=ended_at,
-                ttft_s=turn_ttft,
-                prompt_tokens=obs.prompt_tokens,
-                completion_tokens=obs.completion_tokens,
-                status=p.status,
-                reused_tokens=p.reused_tokens,
-                ttl_s=p.ttl,
-                history=history,
-                reuse_forced_off=p.reuse_off,
-                reasoning_reattached=verdict is not None and verdict.reattached,
-                gap_s=None if last_ended_at is None else max(0.0, p.started_at - last_ended_at),
-                stream=sse,
-                verified=p.verified,
-                verified_reuse=p.verified_reuse,
+            fields = (  # Turn's fields, in order
+                len(state.turns),
+                state.id,
+                p.started_at,
+                ended_at,
+                ttft,
+                prompt_tokens,
+                completion_tokens,
+                p.status,
+                p.reused_tokens,
+                p.ttl,
+                HistoryClass.UNKNOWN if verdict is None else verdict.history,
+                p.reuse_off,
+                verdict is not None and verdict.reattached,
+                None if last_ended_at is None else max(0.0, p.started_at - last_ended_at),
+                p.sse,
+                p.verified,
+                p.verified_reuse,
             )
-            state.turns.append(turn)
+            turn = None if on_turn is None else Turn(*fields)
+            state.turns.append(fields if turn is None else turn)
             state.last_ended_at = ended_at
             if p.reuse_off:
                 self.reuse_off_turns += 1
-        if self.on_turn is not None:
-            self.on_turn(turn)
-        if p.ttl is not None and p.ttl > 0 and self.lease_sink is not None and not state.closed:
-            self.lease_sink.activate(state.id, p.root, p.ttl, p.auth, explicit=state.explicit)
-        return turn
+        if turn is not None:
+            on_turn(turn)  # type: ignore[misc]
+        ttl = p.ttl
+        if ttl is not None and ttl > 0 and self.lease_sink is not None and not state.closed:
+            self.lease_sink.activate(state.id, p.root, ttl, p.auth, explicit=state.explicit)
 
 
-def auth_headers(found: Mapping[bytes, str]) -> dict[str, str]:
-    """The :data:`AUTH_HEADERS` among headers read with :data:`REQUEST_HEADERS`, by name (a loop,
-    not a comprehension: one call less per request)."""
+def auth_headers(found: Mapping[bytes, bytes], headers: hx.Headers) -> dict[str, str]:
+    """The :data:`AUTH_HEADERS` of a request, by name, from its :func:`~kvlease._http.header_bytes`."""
     auth: dict[str, str] = {}
     for key, name in _AUTH_KEYS:
         v = found.get(key)
         if v is not None:
-            auth[name] = v
+            auth[name] = header_text(v, headers)
     return auth
 
 
-_STATUSES: dict[str, ReuseStatus | None] = {}
+_STATUSES: dict[str | bytes, ReuseStatus | None] = {}
 
 
-def _reuse_status(value: str) -> ReuseStatus | None:
+def _reuse_status(value: str | bytes) -> ReuseStatus | None:
     try:
         return _STATUSES[value]
     except KeyError:
-        status = ReuseStatus.parse(value)
+        status = ReuseStatus.parse(value.decode("latin-1") if isinstance(value, bytes) else value)
         if len(_STATUSES) < 64:  # a server sends a handful of distinct values
             _STATUSES[value] = status
         return status
 
 
-def _parse_int(v: str | None) -> int | None:
+def _parse_int(v: str | bytes | None) -> int | None:
     if v is None:
         return None
     try:
@@ -538,7 +587,7 @@ def _parse_int(v: str | None) -> int | None:
         return None
 
 
-def _parse_float(v: str | None) -> float | None:
+def _parse_float(v: str | bytes | None) -> float | None:
     if v is None:
         return None
     try:

@@ -20,11 +20,13 @@ from kvlease import _json, protocol
 from kvlease._strip import AssistantReply, ToolCall
 from kvlease.protocol import REASONING_FIELDS
 
-__all__ = ["Observed", "ResponseObserver"]
+__all__ = ["Observed", "ResponseObserver", "json_reply", "usage_tokens"]
 
 _orjson_loads = orjson.loads
 _OrjsonError = orjson.JSONDecodeError
 _DONE = protocol.SSE_DONE_DATA.encode()
+#: events parsed at once (a long reply read at its end is not held parsed all together)
+_BATCH = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,71 +137,94 @@ class ResponseObserver:
                 if self._tools
                 else (),
             )
-        usage = self._usage if isinstance(self._usage, dict) else {}
-        return Observed(
-            reply, _int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens")), self._first
-        )
+        prompt_tokens, completion_tokens = usage_tokens(self._usage)
+        return Observed(reply, prompt_tokens, completion_tokens, self._first)
 
     # ------------------------------------------------------------------------------------------ JSON
 
     def _json_body(self, body: bytes) -> None:
         if self._decoder is not None:
             body = self._decoder.decompress(body) + self._decoder.flush()
-        try:
-            data = _json.loads(body)
-        except ValueError:
+        got = json_reply(body)
+        if got is None:
             return
-        if not isinstance(data, dict):
-            return
-        self._usage = data.get("usage")
-        choice = _choice0(data.get("choices"))
-        if choice is None:
-            return
-        message = choice.get("message")
-        if isinstance(message, dict):
-            reply = AssistantReply.from_message(message)
-            if reply.content == "":  # as a stream reads it: no content
-                reply = AssistantReply(None, reply.reasoning, reply.reasoning_field, reply.tool_calls)
+        reply, self._usage = got
+        if reply is not None:
             self._reply = reply
-        elif isinstance(choice.get("text"), str):
-            self._content.append(choice["text"])
-        self._complete = True
+            self._complete = True
 
     # ------------------------------------------------------------------------------------------- SSE
 
     def _sse(self, buf: bytes, now: float) -> None:
-        """Read the complete events in ``buf``; keep the incomplete rest for the next bytes."""
+        """Read the complete events in ``buf``; keep the incomplete rest for the next bytes.
+
+        Their data is parsed in batches (``map`` of orjson over the payloads, each parsed alone),
+        then read in order; in a batch where one is not what orjson reads, each is read on its own."""
         if b"\r" in buf:  # CRLF line ends; a pair split over two chunks meets again in the buffer
             buf = buf.replace(b"\r\n", b"\n")
         events = buf.split(b"\n\n")
-        self._buf = events.pop()
-        for event in events:
-            if event.startswith(b"data: ") and b"\n" not in event:  # the common one-line event
-                self._data(event[6:], now)
-            else:
-                self._event_lines(event, now)
+        rest = self._buf = events.pop()
+        payloads = [event[6:] for event in events if event.startswith(b"data: ")]
+        # every event one "data: " line: the only newlines are the blank lines between them
+        if len(payloads) != len(events) or buf.count(b"\n", 0, len(buf) - len(rest)) != 2 * len(events):
+            payloads = []
+            for event in events:
+                if event.startswith(b"data: ") and b"\n" not in event:  # the common one-line event
+                    data: bytes | None = event[6:]
+                else:
+                    data = _event_data(event)
+                if data is not None:
+                    payloads.append(data)
+        if payloads and payloads[-1] == _DONE:  # (elsewhere, it is read on its own below)
+            payloads.pop()
+            self._complete = True
+        for i in range(0, len(payloads), _BATCH):
+            batch = payloads[i : i + _BATCH]
+            try:
+                objs = list(map(_orjson_loads, batch))
+            except _OrjsonError:
+                for data in batch:
+                    self._data(data, now)
+                continue
+            self._read_all(objs, now)
 
-    def _event_lines(self, event: bytes, now: float) -> None:
-        data: bytes | None = None
-        for line in event.split(b"\n"):
-            if line.startswith(b"data:"):
-                piece = line[5:].lstrip(b" ")
-                data = piece if data is None else data + b"\n" + piece
-        if data is not None:
-            self._data(data, now)
+    def _read_all(self, objs: list[Any], now: float) -> None:
+        """Parsed events, in order. Once the first token is known, an event of the common shape
+        (one choice, index 0, a delta of content alone, no finish reason, no usage) is read here
+        (what :meth:`_read` does with it), the others by :meth:`_read`."""
+        read = self._read
+        if self._first is None:
+            for obj in objs:
+                read(obj, now)
+            return
+        append = self._content.append
+        for obj in objs:
+            if type(obj) is dict:
+                choices = obj.get("choices")
+                if type(choices) is list and len(choices) == 1:
+                    choice = choices[0]
+                    if type(choice) is dict and choice.get("index", 0) == 0:
+                        delta = choice.get("delta")
+                        if type(delta) is dict and len(delta) == 1 and not choice.get("finish_reason"):
+                            text = delta.get("content")
+                            if text and not obj.get("usage"):
+                                append(text)
+                                continue
+            read(obj, now)
 
     def _data(self, data: bytes, now: float) -> None:
-        # the hot path of a streamed reply (one call per event): _json.loads and _choice0 inlined
+        """One event's data, parsed alone."""
         try:
             obj = _orjson_loads(data)
         except _OrjsonError:
-            if data == _DONE:
-                self._complete = True
-                return
             try:
                 obj = json.loads(data)  # what orjson refuses and json reads (NaN, Infinity)
             except ValueError:
                 return
+        self._read(obj, now)
+
+    def _read(self, obj: Any, now: float) -> None:
+        """One parsed event (the hot path of a streamed reply: one call per event)."""
         if not isinstance(obj, dict):
             return
         usage = obj.get("usage")
@@ -259,6 +284,47 @@ class ResponseObserver:
                 acc.name = fn["name"] if acc.name is None else acc.name + fn["name"]
             if isinstance(fn.get("arguments"), str):
                 acc.args.append(fn["arguments"])
+
+
+def json_reply(body: bytes) -> tuple[AssistantReply | None, Any] | None:
+    """``(reply, usage)`` of a (decoded) JSON completion body: the reply of choice 0 (a chat
+    completion's message, or a legacy completion's ``text`` as content; ``None`` without a choice
+    0) and the ``usage`` object as sent. ``None``: not a JSON object."""
+    try:
+        data = _json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    usage = data.get("usage")
+    choice = _choice0(data.get("choices"))
+    if choice is None:
+        return None, usage
+    message = choice.get("message")
+    if isinstance(message, dict):
+        reply = AssistantReply.from_message(message)
+        if reply.content == "":  # as a stream reads it: no content
+            reply = AssistantReply(None, reply.reasoning, reply.reasoning_field, reply.tool_calls)
+        return reply, usage
+    text = choice.get("text")
+    return AssistantReply(content=text if isinstance(text, str) else None), usage
+
+
+def usage_tokens(usage: object) -> tuple[int | None, int | None]:
+    """``(prompt_tokens, completion_tokens)`` of a ``usage`` object (``None`` where absent)."""
+    if not isinstance(usage, dict):
+        return None, None
+    return _int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens"))
+
+
+def _event_data(event: bytes) -> bytes | None:
+    """The data of a multi-line event (its ``data:`` lines joined with newlines), or ``None``."""
+    data: bytes | None = None
+    for line in event.split(b"\n"):
+        if line.startswith(b"data:"):
+            piece = line[5:].lstrip(b" ")
+            data = piece if data is None else data + b"\n" + piece
+    return data
 
 
 def _choice0(choices: object) -> dict[str, Any] | None:

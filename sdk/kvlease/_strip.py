@@ -141,9 +141,10 @@ class AssistantReply:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Verdict:
-    """The classification of one outgoing history, and what to send."""
+    """The classification of one outgoing history, and what to send. Read-only by contract (not
+    frozen: one is built for every tracked request, and a frozen dataclass costs a call per field)."""
 
     history: HistoryClass
     detail: str = ""  # the cause, for the warning ("" when exact)

@@ -5,7 +5,8 @@ transport is :class:`KVTransport` (or :class:`AsyncKVTransport`) over the user's
 Requests without ``X-Conversation-Id`` pass straight to the user's client. A tracked completion
 request gets its body and headers from ``Tracker.begin``; the response headers are read as soon as
 they arrive, and the response byte stream is wrapped so the body (JSON or SSE) is observed while the
-caller reads it: nothing is read ahead or buffered for it.
+caller reads it: nothing is read ahead or buffered for it. A call that reads the whole body at once
+(openai's non-streamed calls) has it observed once, after the read, instead.
 
 The user's client's ``send`` does all the HTTP work (auth, redirects, event hooks, cookies, retries
 of its transport), so the wrapping client's own ``send`` would only do it a second time, for nothing:
@@ -21,8 +22,8 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from kvlease import protocol
-from kvlease._core import CID_KEY, REQUEST_HEADERS, Pending, Tracker, auth_headers
-from kvlease._http import header_values, hx
+from kvlease._core import CID_KEY, Pending, Tracker, auth_headers
+from kvlease._http import header_bytes, header_text, hx
 from kvlease._observe import ResponseObserver
 
 __all__ = ["AsyncKVClient", "AsyncKVTransport", "KVClient", "KVTransport"]
@@ -38,17 +39,18 @@ def _begin(tracker: Tracker, request: hx.Request) -> Pending | None:
     request object openai built for this one send, and ``response.request`` then shows what was sent."""
     if request.method != "POST":
         return None
-    found = header_values(request.headers, REQUEST_HEADERS)
-    cid = found.get(CID_KEY)
-    if cid is None:
+    found = header_bytes(request.headers)
+    raw_cid = found.get(CID_KEY)
+    if raw_cid is None:
         return None
+    cid = header_text(raw_cid, request.headers)
     try:
         body = request.content
     except hx.RequestNotRead:  # a streamed upload: not a completion request kvlease understands
         return None
     origin, path = _target(request.url)
     t0, started = _perf(), _wall()
-    pending = tracker.begin(cid, origin, path, auth_headers(found), body, t0, started)
+    pending = tracker.begin(cid, origin, path, auth_headers(found, request.headers), body, t0, started)
     if pending is None:
         return None
     if pending.body is not body:
@@ -63,14 +65,31 @@ def _begin(tracker: Tracker, request: hx.Request) -> Pending | None:
 
 
 def _target(url: hx.URL) -> tuple[str, str]:
-    """The origin (``scheme://host[:port]``) and the path of a request URL."""
-    return f"{url.scheme}://{url.netloc.decode('ascii')}", url.path
+    """The origin (``scheme://host[:port]``) and the path of a request URL (a client sends to a
+    handful of URLs: kept by their text, which is cheaper to make than the two parts)."""
+    text = str(url)
+    got = _TARGETS.get(text)
+    if got is None:
+        got = f"{url.scheme}://{url.netloc.decode('ascii')}", url.path
+        if len(_TARGETS) < 256:
+            _TARGETS[text] = got
+    return got
+
+
+_TARGETS: dict[str, tuple[str, str]] = {}
 
 
 def _finish(tracker: Tracker, pending: Pending, *, complete: bool) -> None:
     try:
         tracker.finish(pending, _perf(), _wall(), complete=complete)
     except Exception:  # never break the caller's read over bookkeeping
+        log.exception("kvlease: recording a turn failed")
+
+
+def _finish_body(tracker: Tracker, pending: Pending, body: bytes | None) -> None:
+    try:
+        tracker.finish_body(pending, body, _perf(), _wall())
+    except Exception:  # never break the caller's call over bookkeeping
         log.exception("kvlease: recording a turn failed")
 
 
@@ -184,6 +203,16 @@ class KVTransport(hx.BaseTransport):
             response.stream = _ObservedStream(response.stream, pending, self.tracker)
         return response
 
+    def send_unread(self, request: hx.Request) -> tuple[hx.Response, Pending | None]:
+        """For a caller that reads the whole body at once (a non-streamed call): the inner client's
+        response with its body unread and not wrapped, and the tracked request, whose turn the
+        caller finishes with the body it read (:meth:`Tracker.finish_body`)."""
+        pending = _begin(self.tracker, request)
+        response = self.inner.send(request, stream=True)
+        if pending is not None:
+            self.tracker.response(pending, response.status_code, response.headers, _perf(), stream=False)
+        return response, pending
+
 
 class AsyncKVTransport(hx.AsyncBaseTransport):
     """The asyncio twin of :class:`KVTransport`."""
@@ -199,6 +228,13 @@ class AsyncKVTransport(hx.AsyncBaseTransport):
             self.tracker.response(pending, response.status_code, response.headers, _perf())
             response.stream = _AsyncObservedStream(response.stream, pending, self.tracker)
         return response
+
+    async def send_unread(self, request: hx.Request) -> tuple[hx.Response, Pending | None]:
+        pending = _begin(self.tracker, request)
+        response = await self.inner.send(request, stream=True)
+        if pending is not None:
+            self.tracker.response(pending, response.status_code, response.headers, _perf(), stream=False)
+        return response, pending
 
 
 def _own_settings(client: hx.Client | hx.AsyncClient, auth: Any, follow_redirects: Any) -> bool:
@@ -256,7 +292,10 @@ class KVClient(hx.Client):
         if self.is_closed:
             raise _closed()
         _set_timeout(self, request)
-        response = self._kv.handle_request(request)
+        if stream:
+            response, pending = self._kv.handle_request(request), None
+        else:  # read whole here: the body is observed once, after it is read, not chunk by chunk
+            response, pending = self._kv.send_unread(request)
         try:
             _cookies(self, self._kv.inner, response)
             response.default_encoding = self._default_encoding
@@ -264,7 +303,11 @@ class KVClient(hx.Client):
                 response.read()
         except BaseException:
             response.close()
+            if pending is not None:
+                _finish_body(self._kv.tracker, pending, None)
             raise
+        if pending is not None:
+            _finish_body(self._kv.tracker, pending, response.content)
         return response
 
 
@@ -288,7 +331,10 @@ class AsyncKVClient(hx.AsyncClient):
         if self.is_closed:
             raise _closed()
         _set_timeout(self, request)
-        response = await self._kv.handle_async_request(request)
+        if stream:
+            response, pending = await self._kv.handle_async_request(request), None
+        else:
+            response, pending = await self._kv.send_unread(request)
         try:
             _cookies(self, self._kv.inner, response)
             response.default_encoding = self._default_encoding
@@ -296,5 +342,9 @@ class AsyncKVClient(hx.AsyncClient):
                 await response.aread()
         except BaseException:
             await response.aclose()
+            if pending is not None:
+                _finish_body(self._kv.tracker, pending, None)
             raise
+        if pending is not None:
+            _finish_body(self._kv.tracker, pending, response.content)
         return response
