@@ -63,7 +63,8 @@ _VERIFIED_VALUE: Final = protocol.VERIFIED_TOKENS.encode("ascii")
 #: States of header-tracked conversations whose lease was dropped (idle, unknown to the router),
 #: kept for their next turn: the strip detector and the turn records outlive the lease.
 _RETIRED_MAX: Final = 4096
-_BODY_KEY: Final = b'"' + protocol.BODY_CONVERSATION_ID.encode() + b'"'
+_BODY_NAME: Final = protocol.BODY_CONVERSATION_ID
+_BODY_KEY: Final = b'"' + _BODY_NAME.encode() + b'"'
 _CHAT_SUFFIX: Final = "/chat/completions"
 _COMPLETIONS_SUFFIX: Final = "/completions"
 
@@ -154,8 +155,6 @@ class Pending:
         "done",
         "header_at",
         "observer",
-        "origin",
-        "path",
         "reuse_off",
         "reused_tokens",
         "root",
@@ -176,27 +175,23 @@ class Pending:
         state: ConversationState,
         verdict: Verdict | None,
         body: bytes,
-        origin: str,
-        path: str,
         auth: Mapping[str, str],
         t0: float,
         started_at: float,
-        body_prefix: _json.BodyPrefix | None = None,
-        *,
+        body_prefix: _json.BodyPrefix | None,
         root: str,
-        verifies: bool = False,
+        reuse_off: bool,
+        verified_reuse: bool,
     ) -> None:
         self.state = state
         self.verdict = verdict
         self.body = body
         self.body_prefix = body_prefix
-        breaks = verdict is not None and verdict.reuse_off
-        # behind a router whose P verifies tokens, a changed history keeps reuse on (verified prefix)
-        self.reuse_off = breaks and not verifies
-        self.verified_reuse = breaks and verifies
+        # a changed history: the opt-out (reuse_off), or reuse left on behind a router whose P
+        # verifies tokens (verified_reuse)
+        self.reuse_off = reuse_off
+        self.verified_reuse = verified_reuse
         self.verified: bool | None = None
-        self.origin = origin
-        self.path = path
         self.root = root  # router_root(origin, path), computed once by the tracker
         self.auth = auth  # the request's authorization headers: lease requests copy them
         self.t0 = t0
@@ -342,54 +337,64 @@ class Tracker:
             return None
         state = self._conversations.get(conversation_id)
         if state is None or state.closed:  # (an open conversation's id was validated when opened)
-            try:
-                protocol.validate_conversation_id(conversation_id)
-            except protocol.InvalidConversationId as e:
-                if conversation_id not in self._bad_ids_warned and len(self._bad_ids_warned) < 64:
-                    self._bad_ids_warned.add(conversation_id)
-                    log.warning(
-                        "kvlease: not tracking a request with a bad %s header: %s",
-                        protocol.HEADER_CONVERSATION_ID,
-                        e,
-                    )
+            state = self._open_from_header(conversation_id)
+            if state is None:
                 return None
-            state = self.open(conversation_id, explicit=False)
         verdict: Verdict | None = None
         prefix: _json.BodyPrefix | None = None
+        has_key: bool | None = None
         if chat and self.policy != "off":
             prev = state.body_prefix
             try:
                 data, prefix, reused = _json.loads_request(body, prev)
             except ValueError:
-                data, reused = None, 0
-            messages = data.get("messages") if isinstance(data, dict) else None
-            if isinstance(messages, list):
-                with self._lock:
-                    # messages[:reused] are prev.messages: the history recorded last turn, unless
-                    # another request of this conversation finished meanwhile (then compared)
-                    known = prev.messages if prev is not None and reused else None
-                    verdict = state.detector.inspect(messages, known_prefix=known)
-                if prefix is not None:
-                    prefix.messages = verdict.raw  # what detector.record keeps as the history
-                if verdict.repaired:
-                    assert isinstance(data, dict)
-                    data["messages"] = verdict.messages
-                    data.setdefault(protocol.BODY_CONVERSATION_ID, conversation_id)
-                    body = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-            else:
-                prefix = None
-            has_key = protocol.BODY_CONVERSATION_ID in data if isinstance(data, dict) else None
-        else:
-            has_key = None
-        body = inject_conversation_id(body, conversation_id, has_key=has_key)
+                data = None
+            if isinstance(data, dict):
+                messages = data.get("messages")
+                if isinstance(messages, list):
+                    with self._lock:
+                        # messages[:reused] are prev.messages: the history recorded last turn, unless
+                        # another request of this conversation finished meanwhile (then compared)
+                        known = prev.messages if prev is not None and reused else None
+                        verdict = state.detector.inspect(messages, known_prefix=known)
+                    if prefix is not None:
+                        prefix.messages = verdict.raw  # what detector.record keeps as the history
+                    if verdict.repaired:
+                        data["messages"] = verdict.messages
+                        data.setdefault(_BODY_NAME, conversation_id)
+                        body = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+                else:
+                    prefix = None
+                has_key = _BODY_NAME in data
+        if not has_key:
+            body = inject_conversation_id(body, conversation_id, has_key=has_key)
         root = router_root(origin, path)
-        verifies = self._verifies.get(root) is True
+        breaks = verdict is not None and verdict.reuse_off
+        # behind a router whose P verifies tokens, a changed history keeps reuse on (verified prefix)
+        verifies = breaks and self._verifies.get(root) is True
         pending = Pending(
-            state, verdict, body, origin, path, auth, t0, started_at, prefix, root=root, verifies=verifies
+            state, verdict, body, auth, t0, started_at, prefix, root, breaks and not verifies, verifies
         )
-        if verdict is not None and (pending.reuse_off or pending.verified_reuse):  # the history breaks
-            self._report(state, verdict, reuse_off=pending.reuse_off)
+        if breaks:
+            assert verdict is not None
+            self._report(state, verdict, reuse_off=not verifies)
         return pending
+
+    def _open_from_header(self, conversation_id: str) -> ConversationState | None:
+        """A request of a conversation not open here: opened (auto-registered) if its id is valid;
+        a bad id is logged (once per id, for a few ids) and the request goes untracked."""
+        try:
+            protocol.validate_conversation_id(conversation_id)
+        except protocol.InvalidConversationId as e:
+            if conversation_id not in self._bad_ids_warned and len(self._bad_ids_warned) < 64:
+                self._bad_ids_warned.add(conversation_id)
+                log.warning(
+                    "kvlease: not tracking a request with a bad %s header: %s",
+                    protocol.HEADER_CONVERSATION_ID,
+                    e,
+                )
+            return None
+        return self.open(conversation_id, explicit=False)
 
     def _report(self, state: ConversationState, verdict: Verdict, *, reuse_off: bool) -> None:
         """A changed history: a ``logging`` record once per conversation (the id in ``extra``), and a

@@ -97,6 +97,29 @@ def _resume(body: bytes, prev: BodyPrefix) -> tuple[dict[str, Any], BodyPrefix |
     """The body after ``prev.data``, when more messages follow there (else ``None``)."""
     base = len(prev.data)
     text = body[base:].decode("utf-8", "surrogatepass")
+    rest_text = prev.rest_text
+    close = len(text) - len(rest_text) - 1
+    if close > 1 and text.startswith(",") and text[close] == "]" and text.endswith(rest_text):
+        # the common turn: "," new messages "]" and the same keys after them as last time; the new
+        # messages are read as one array (in C), which must end exactly at that "]"
+        try:
+            added, end = _scan("[" + text[1 : close + 1], 0)
+        except (StopIteration, ValueError):
+            added = end = None
+        if added and end == close + 1:
+            items = prev.messages + added
+            last = close  # the end of the last message: before the "]" and any whitespace
+            while text[last - 1] in _WS:
+                last -= 1
+            data = dict(prev.head)
+            data["messages"] = items
+            data.update(prev.rest)
+            size = last if text.isascii() else len(text[:last].encode("utf-8", "surrogatepass"))
+            return (
+                data,
+                BodyPrefix(body[: base + size], prev.head, items, rest_text, prev.rest),
+                len(prev.messages),
+            )
     q = 0
     if text[:1] in _WS:
         q = _ws(text, 0).end()

@@ -250,12 +250,16 @@ class LeaseKeeper(_KeeperBase):
             if self.closed:
                 return
             due = self.table.activate(conversation_id, root, ttl, headers, self.clock(), explicit=explicit)
-            start = self.heartbeat and self._thread is None
-            if start:
-                self._thread = threading.Thread(target=self._run, name="kvlease-lease-keeper", daemon=True)
-            wake = self._thread is not None and self._needs_wakeup(due)
-        if start and self._thread is not None:
-            self._thread.start()
+            thread = self._thread
+            if thread is None:
+                if not self.heartbeat:
+                    return
+                thread = self._thread = threading.Thread(
+                    target=self._run, name="kvlease-lease-keeper", daemon=True
+                )
+                thread.start()  # (under the lock: the thread takes it before it first waits)
+                return
+            wake = self._needs_wakeup(due)
         if wake:
             self._wakeup.set()
 

@@ -297,7 +297,11 @@ def json_reply(body: bytes) -> tuple[AssistantReply | None, Any] | None:
     if not isinstance(data, dict):
         return None
     usage = data.get("usage")
-    choice = _choice0(data.get("choices"))
+    choices = data.get("choices")
+    if type(choices) is list and choices and type(choices[0]) is dict and choices[0].get("index", 0) == 0:
+        choice: dict[str, Any] | None = choices[0]  # (the one choice, mostly)
+    else:
+        choice = _choice0(choices)
     if choice is None:
         return None, usage
     message = choice.get("message")
@@ -311,10 +315,14 @@ def json_reply(body: bytes) -> tuple[AssistantReply | None, Any] | None:
 
 
 def usage_tokens(usage: object) -> tuple[int | None, int | None]:
-    """``(prompt_tokens, completion_tokens)`` of a ``usage`` object (``None`` where absent)."""
+    """``(prompt_tokens, completion_tokens)`` of a ``usage`` object (``None`` where absent, or not
+    an integer)."""
     if not isinstance(usage, dict):
         return None, None
-    return _int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens"))
+    prompt = usage.get("prompt_tokens")
+    completion = usage.get("completion_tokens")
+    # (type is int: not a bool)
+    return prompt if type(prompt) is int else None, completion if type(completion) is int else None
 
 
 def _event_data(event: bytes) -> bytes | None:
@@ -334,7 +342,3 @@ def _choice0(choices: object) -> dict[str, Any] | None:
         if isinstance(c, dict) and c.get("index", 0) == 0:
             return c
     return None
-
-
-def _int(v: object) -> int | None:
-    return v if isinstance(v, int) and not isinstance(v, bool) else None

@@ -129,9 +129,21 @@ class RenewalSchedule:
         """A turn ended with a lease of ``ttl`` seconds on ``root``; returns when that router's
         leases are renewed next."""
         old_root = self._where.get(conversation_id)
+        router = self._routers.get(root)
+        if old_root == root and router is not None:  # a conversation's next turn, mostly
+            lease = router.leases.get(conversation_id)
+            if lease is not None:  # its lease, updated in place (its place in the order kept)
+                if headers and headers != router.headers:  # (the same headers every turn, mostly)
+                    router.headers = dict(headers)
+                if ttl < router.ttl:
+                    router.ttl = ttl
+                due = now + self.renew_fraction * ttl
+                if due < router.next_due:
+                    router.next_due = due
+                lease.expires_at, lease.last_active, lease.explicit = now + ttl, now, explicit
+                return router.next_due
         if old_root is not None and old_root != root:
             self._routers[old_root].leases.pop(conversation_id, None)
-        router = self._routers.get(root)
         if router is None:
             router = self._routers[root] = _Router(ttl, headers, now + self.renew_fraction * ttl)
         else:

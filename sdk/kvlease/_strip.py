@@ -130,14 +130,15 @@ class AssistantReply:
         reasoning_field: str | None = None
         for name in REASONING_FIELDS:
             value = message.get(name)
-            if isinstance(value, str) and value:
+            if value and isinstance(value, str):
                 reasoning, reasoning_field = value, name
                 break
+        calls = message.get("tool_calls")
         return cls(
-            content=content if isinstance(content, str) else None,
-            reasoning=reasoning,
-            reasoning_field=reasoning_field,
-            tool_calls=normalize_tool_calls(message.get("tool_calls")),
+            content if isinstance(content, str) else None,
+            reasoning,
+            reasoning_field,
+            normalize_tool_calls(calls) if calls else (),
         )
 
 

@@ -147,6 +147,33 @@ def test_a_prefix_only_counts_when_a_new_message_follows_it() -> None:
     assert loads_request(b'{"messages":[1,2,3],"messages":[9]}', prefix)[0:3:2] == ({"messages": [9]}, 0)
 
 
+@pytest.mark.parametrize(
+    ("body", "reused"),
+    [
+        (b'{"messages":[1,2,3],"m":1}', 2),
+        (b'{"messages":[1,2,3 ],"m":1}', 2),
+        (b'{"messages":[1,2, 3,\n [4, {"a": "]"}] \n],"m":1}', 2),
+        (b'{"messages":[1,2,"],\\"m\\":1"],"m":1}', 2),
+        (b'{"messages":[1,2,"],"m":1"],"m":1}', None),
+        (b'{"messages":[1,2,3],"m":1,"messages":[5],"m":1}', 0),
+        (b'{"messages":[1,2,3]],"m":1}', None),
+        (b'{"messages":[1,2,],"m":1}', None),
+        (b'{"messages":[1,2,3,],"m":1}', None),
+        (b'{"messages":[1,2,3 4],"m":1}', None),
+        (b'{"messages":[1,2,],"x":[3],"m":1}', None),
+        (b'{"messages":[1,2,3],"x":[4],"m":1}', 2),
+        (b'{"messages":[1,2,NaN],"m":1}', 2),
+    ],
+)
+def test_the_new_messages_of_a_turn_read_as_json_loads_reads_them(body: bytes, reused: int | None) -> None:
+    """The common turn (a comma, the new messages, the same keys after them) is read as one array:
+    the same data as ``json.loads``, and the same error where it fails."""
+    _, prefix, _ = loads_request(b'{"messages":[1,2],"m":1}')
+    assert repr(_ours(body, prefix)) == repr(_plain(body))
+    if reused is not None:
+        assert loads_request(body, prefix)[2] == reused
+
+
 class prefix_like:
     """Compares equal to a BodyPrefix with these messages (test helper)."""
 
