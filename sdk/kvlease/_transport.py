@@ -66,17 +66,17 @@ def _begin(tracker: Tracker, request: hx.Request) -> Pending | None:
 
 def _target(url: hx.URL) -> tuple[str, str]:
     """The origin (``scheme://host[:port]``) and the path of a request URL (a client sends to a
-    handful of URLs: kept by their text, which is cheaper to make than the two parts)."""
-    text = str(url)
-    got = _TARGETS.get(text)
+    handful of URLs: kept by the URL's parts that are cheapest to read)."""
+    key = (url.scheme, url.host, url.port, url.raw_path)
+    got = _TARGETS.get(key)
     if got is None:
         got = f"{url.scheme}://{url.netloc.decode('ascii')}", url.path
         if len(_TARGETS) < 256:
-            _TARGETS[text] = got
+            _TARGETS[key] = got
     return got
 
 
-_TARGETS: dict[str, tuple[str, str]] = {}
+_TARGETS: dict[tuple[str, str, int | None, bytes], tuple[str, str]] = {}
 
 
 def _finish(tracker: Tracker, pending: Pending, *, complete: bool) -> None:
