@@ -226,3 +226,63 @@ def test_sink_takes_the_chunks_after_the_first_token(sse: bool) -> None:
     br = ResponseObserver(sse=sse, content_encoding="br")  # not read: timing only, no sink
     br.feed(b"abc", 1.0)
     assert br.sink is None and br.result().first_token_at == 1.0
+
+
+# one event of each kind a stream can carry, and what it adds to the reply (content, reasoning)
+_EVENT_KINDS: list[tuple[bytes, str, str]] = [
+    (b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}', "a", ""),
+    (b'data: {"choices":[{"index":0,"delta":{"content":"\\u00e9\\n\\"q\\""}}]}', '\u00e9\n"q"', ""),
+    (b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":"b"}}]}', "b", ""),
+    (b'data: {"choices":[{"index":0,"delta":{"reasoning":"r"}}]}', "", "r"),
+    (b'data: {"choices":[{"index":1,"delta":{"content":"X"}}]}', "", ""),
+    (b'data: {"choices":[{"index":1,"delta":{"content":"X"}},{"index":0,"delta":{"content":"c"}}]}', "c", ""),
+    (b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":2}}', "", ""),
+    (b'data: {"choices":[{"index":0,"delta":{"content":"d"}}],"usage":{"prompt_tokens":6}}', "d", ""),
+    (b'data: {"choices":[{"index":0,"delta":{"content":"e"}}],"x":NaN}', "e", ""),
+    (b'data: {"choices":[{"index":0,"delta":{"content":', "", ""),  # not JSON: ignored
+    (b"data: [1,2]", "", ""),
+    (b'data: {"choices":[{"index":0,\ndata: "delta":{"content":"f"}}]}', "f", ""),  # two data lines
+    (b': a comment\ndata: {"choices":[{"index":0,"delta":{"content":"g"}}]}', "g", ""),
+    (b"event: ping", "", ""),
+    (b'data:{"choices":[{"index":0,"delta":{"content":"h"}}]}', "h", ""),  # no space after "data:"
+    (b"data: [DONE]", "", ""),  # in the middle too: later events are still read
+]
+
+
+@given(
+    kinds=st.lists(st.integers(min_value=0, max_value=len(_EVENT_KINDS) - 1), min_size=1, max_size=30),
+    cuts=st.lists(st.integers(min_value=0, max_value=4_000), max_size=12),
+)
+def test_every_kind_of_event_reads_the_same_however_the_stream_is_cut(
+    kinds: list[int], cuts: list[int]
+) -> None:
+    """Events are parsed in batches with the common content delta read inline; whatever a stream
+    mixes (other choices, usage, NaN, broken or multi-line events, [DONE] part-way), the reply is
+    the events' contributions in order, fed whole or in pieces."""
+    first = [b'data: {"choices":[{"index":0,"delta":{"content":"0"}}]}']  # a first token
+    events = (
+        first
+        + [_EVENT_KINDS[k][0] for k in kinds]
+        + [b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}']
+    )
+    body = b"".join(e + b"\n\n" for e in events)
+    content = "0" + "".join(_EVENT_KINDS[k][1] for k in kinds)
+    reasoning = "".join(_EVENT_KINDS[k][2] for k in kinds)
+    usage = [k for k in kinds if _EVENT_KINDS[k][0].count(b"usage")]
+    for feed in ((body,), _pieces(body, cuts)):
+        obs = ResponseObserver(sse=True)
+        for i, piece in enumerate(feed):
+            obs.feed(piece, float(i))
+        out = obs.result()
+        assert out.reply is not None
+        assert out.reply.content == content and (out.reply.reasoning or "") == reasoning
+        if usage:
+            assert out.prompt_tokens == (5 if _EVENT_KINDS[usage[-1]][0].count(b"completion") else 6)
+        # the time of the piece in which the first event is complete
+        ends = [sum(map(len, feed[: i + 1])) for i in range(len(feed))]
+        assert out.first_token_at == float(next(i for i, e in enumerate(ends) if e >= len(first[0]) + 2))
+
+
+def _pieces(body: bytes, cuts: list[int]) -> list[bytes]:
+    points = sorted({c % (len(body) + 1) for c in cuts} | {0, len(body)})
+    return [body[a:b] for a, b in zip(points, points[1:])]
