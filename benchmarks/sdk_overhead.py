@@ -15,8 +15,10 @@ Workloads (what is sent is measured and reported with the result):
 - ``agent`` (non-streaming): the same loop where each user turn also carries a 2 KB tool result (a
   file, a page, a command's output), so turn 8 resends ~19 KB of history, as a coding agent's does.
 
-Method: one round runs ``conversations`` conversations on each of four clients, interleaved
-(each client takes each place in the order in turn), so drift on a shared machine hits them alike:
+Method: a slot runs one conversation on each of four clients, back to back (each client takes
+each place in the order in turn, slot by slot), so the pair compared ran within about a tenth of a
+second: a shared machine's speed, which here changes over seconds (a call's time moved between 2
+and 4 ms within minutes), hits both alike. The clients:
 
 - ``raw``: the raw openai client, sending no conversation id;
 - ``raw_b``: a second raw client, identical to the first (the A/A arm: how far two identical
@@ -26,13 +28,13 @@ Method: one round runs ``conversations`` conversations on each of four clients, 
   call (the conversation's lease bookkeeping) and answers it the same headers;
 - ``wrapped``: a conversation of the default ``kvlease.wrap(...)``.
 
-Warm-up conversations come first. Per round: wall-clock and client CPU time
+Warm-up conversations come first. Per slot: wall-clock and client CPU time
 (``time.process_time``: this process, the keeper thread included) per call for each client, and
 their ratios. **The SDK overhead is ``wrapped / raw_id - 1``**: what the SDK adds on the client to
 the same conversation on the same server. ``wrapped / raw - 1`` is printed beside it: that figure
 also holds the server's work for a tracked call and the headers it answers, which are the router's
 cost (``benchmarks/router_overhead.py`` measures the router), not the SDK's. Each is the median over
-rounds of the paired ratio, with the 25th-75th percentile of the ratios as its spread; CPU time is
+slots of the paired ratio, with the 25th-75th percentile of the ratios as its spread; CPU time is
 the steadier figure of what the SDK adds. The machine's load average is recorded at start and end.
 Goal: <= 3 % for non-streaming and streaming calls.
 
@@ -175,25 +177,21 @@ def _measure(
             _one(kind, raws, kc, question, stream)
     wall: dict[str, list[float]] = {k: [] for k in KINDS}
     cpu: dict[str, list[float]] = {k: [] for k in KINDS}
-    #: per round: wrapped vs raw_id (the SDK's own), wrapped vs raw (with the server's work for a
-    #: tracked call and its headers), raw_b vs raw (A/A); wall-clock and client CPU
+    #: per slot (one conversation of each client, back to back): wrapped vs raw_id (the SDK's
+    #: own), wrapped vs raw (with the server's work for a tracked call and its headers), raw_b vs
+    #: raw (A/A); wall-clock and client CPU
     ratios: dict[str, list[float]] = {k: [] for k in ("sdk", "sdk_cpu", "total", "total_cpu", "aa")}
+    for slot in range(rounds * conversations):
+        got = {kind: _one(kind, raws, kc, question, stream) for kind in _orders(slot)}
+        for kind, (w, c) in got.items():
+            wall[kind].append(w / TURNS)
+            cpu[kind].append(c / TURNS)
+        ratios["sdk"].append(got["wrapped"][0] / got["raw_id"][0])
+        ratios["sdk_cpu"].append(got["wrapped"][1] / got["raw_id"][1])
+        ratios["total"].append(got["wrapped"][0] / got["raw"][0])
+        ratios["total_cpu"].append(got["wrapped"][1] / got["raw"][1])
+        ratios["aa"].append(got["raw_b"][0] / got["raw"][0])
     n = conversations * TURNS
-    for r in range(rounds):
-        tot = {k: [0.0, 0.0] for k in KINDS}
-        for j in range(conversations):
-            for kind in _orders(r * conversations + j):
-                w, c = _one(kind, raws, kc, question, stream)
-                tot[kind][0] += w
-                tot[kind][1] += c
-        for kind, (w, c) in tot.items():
-            wall[kind].append(w / n)
-            cpu[kind].append(c / n)
-        ratios["sdk"].append(tot["wrapped"][0] / tot["raw_id"][0])
-        ratios["sdk_cpu"].append(tot["wrapped"][1] / tot["raw_id"][1])
-        ratios["total"].append(tot["wrapped"][0] / tot["raw"][0])
-        ratios["total_cpu"].append(tot["wrapped"][1] / tot["raw"][1])
-        ratios["aa"].append(tot["raw_b"][0] / tot["raw"][0])
 
     def pct(x: float) -> float:
         return round((x - 1) * 100, 2)
@@ -210,6 +208,7 @@ def _measure(
     return {
         "calls_per_client": rounds * n,
         "rounds": rounds,
+        "slots": rounds * conversations,
         "raw_ms_per_call": ms("raw"),
         "raw_id_ms_per_call": ms("raw_id"),
         "wrapped_ms_per_call": ms("wrapped"),
