@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 from typing import Any
 
@@ -285,4 +286,4 @@ def test_every_kind_of_event_reads_the_same_however_the_stream_is_cut(
 
 def _pieces(body: bytes, cuts: list[int]) -> list[bytes]:
     points = sorted({c % (len(body) + 1) for c in cuts} | {0, len(body)})
-    return [body[a:b] for a, b in zip(points, points[1:])]
+    return [body[a:b] for a, b in itertools.pairwise(points)]
