@@ -21,6 +21,7 @@ from kvlease import protocol
 from kvlease._core import ConversationState, LeaseSink, Tracker, Turn
 from kvlease._strip import HistoryClass, ReasoningPolicy
 from kvlease._turnlog import TurnLog
+from kvlease._wire import BODY_NAME
 
 __all__ = ["BaseClient", "BaseConversation", "mint_id"]
 
@@ -75,7 +76,6 @@ class _Bound:
 
 _PLAIN: Final = (str, bytes, int, float, bool, type(None), type)
 _HEADER: Final = protocol.HEADER_CONVERSATION_ID
-_BODY_KEY: Final = protocol.BODY_CONVERSATION_ID
 #: Bound names one resource remembers (openai's have a handful; ``getattr`` of arbitrary names is
 #: not a way to grow a conversation without bound).
 _MAX_CHILDREN: Final = 32
@@ -107,9 +107,9 @@ class _Call:
         if self._body:
             body = kwargs.get("extra_body")
             if not body:
-                kwargs["extra_body"] = {_BODY_KEY: cid}
-            elif isinstance(body, Mapping) and _BODY_KEY not in body:
-                kwargs["extra_body"] = {_BODY_KEY: cid, **body}
+                kwargs["extra_body"] = {BODY_NAME: cid}
+            elif isinstance(body, Mapping) and BODY_NAME not in body:
+                kwargs["extra_body"] = {BODY_NAME: cid, **body}
         return self.__wrapped__(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:  # __name__, __qualname__, __self__, ...

@@ -17,10 +17,8 @@ callback).
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
-import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -29,9 +27,24 @@ from typing import Any, Final, Protocol
 
 from kvlease import _json, protocol
 from kvlease._errors import ReuseOffWarning, warn_at_caller
-from kvlease._http import header_bytes, header_text, hx
+from kvlease._http import header_bytes, hx
 from kvlease._observe import ResponseObserver, json_reply, usage_tokens
 from kvlease._strip import AssistantReply, HistoryClass, ReasoningPolicy, StripDetector, Verdict
+from kvlease._wire import (
+    BODY_NAME,
+    CHAT_SUFFIX,
+    COMPLETIONS_SUFFIX,
+    REUSED_KEY,
+    STATUS_KEY,
+    TTL_KEY,
+    VERIFIED_KEY,
+    VERIFIED_VALUE,
+    inject_conversation_id,
+    parse_float,
+    parse_int,
+    reuse_status,
+    router_root,
+)
 from kvlease.protocol import ReuseStatus
 
 __all__ = [
@@ -40,33 +53,13 @@ __all__ = [
     "Pending",
     "Tracker",
     "Turn",
-    "auth_headers",
-    "inject_conversation_id",
 ]
 
 log = logging.getLogger("kvlease")
 
-#: Headers that make a lease request authorized like the chat request (copied to renew/release).
-AUTH_HEADERS: Final = tuple(
-    h.lower()
-    for h in (protocol.HEADER_AUTHORIZATION, protocol.HEADER_API_KEY, protocol.DEFAULT_TENANT_HEADER)
-)
-#: The request header the transport tracks a request by, lower-case.
-CID_KEY: Final = protocol.HEADER_CONVERSATION_ID.lower().encode("ascii")
-_AUTH_KEYS: Final = tuple((name.encode("ascii"), name) for name in AUTH_HEADERS)
-#: What ``Tracker.response`` reads of a response's headers.
-_STATUS_KEY: Final = protocol.HEADER_STATUS.lower().encode("ascii")
-_REUSED_KEY: Final = protocol.HEADER_REUSED_TOKENS.lower().encode("ascii")
-_TTL_KEY: Final = protocol.HEADER_TTL.lower().encode("ascii")
-_VERIFIED_KEY: Final = protocol.HEADER_VERIFIED.lower().encode("ascii")
-_VERIFIED_VALUE: Final = protocol.VERIFIED_TOKENS.encode("ascii")
 #: States of header-tracked conversations whose lease was dropped (idle, unknown to the router),
 #: kept for their next turn: the strip detector and the turn records outlive the lease.
 _RETIRED_MAX: Final = 4096
-_BODY_NAME: Final = protocol.BODY_CONVERSATION_ID
-_BODY_KEY: Final = b'"' + _BODY_NAME.encode() + b'"'
-_CHAT_SUFFIX: Final = "/chat/completions"
-_COMPLETIONS_SUFFIX: Final = "/completions"
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,46 +199,6 @@ class Pending:
         self.header_at = t0
 
 
-def inject_conversation_id(body: bytes, conversation_id: str, *, has_key: bool | None = None) -> bytes:
-    """``body`` (a JSON object) with ``conversation_id`` added first, without re-serializing it.
-
-    The id is validated (``[A-Za-z0-9._:-]``), so it needs no escaping. A body that already names the
-    key, or is not a JSON object, is returned unchanged. ``has_key``: whether the parsed body's top
-    level has the key, when the caller parsed it (else the bytes are searched for it, which also
-    finds it nested: the body is then left as it is).
-    """
-    if has_key or (has_key is None and _BODY_KEY in body):
-        return body
-    start = body.find(b"{")
-    if start < 0 or (start and body[:start].strip()):
-        return body
-    head = b"{" + _BODY_KEY + b':"' + conversation_id.encode("ascii") + b'"'
-    rest = memoryview(body)[start + 1 :]  # the body is copied once, into the result
-    i = start + 1
-    while i < len(body) and body[i] in _SPACE:
-        i += 1
-    return b"".join((head, rest) if body.startswith(b"}", i) else (head, b",", rest))
-
-
-_SPACE: Final = frozenset(b" \t\n\r\x0b\x0c")  # what bytes.strip() strips
-
-
-@functools.lru_cache(maxsize=256)
-def router_root(origin: str, path: str) -> str:
-    """Where a router's lease API lives, from a completion request's origin and path.
-
-    ``http://h:8000`` + ``/v1/chat/completions`` -> ``http://h:8000`` (lease paths start with ``/v1``);
-    a gateway prefix before ``/v1`` is kept.
-    """
-    for full in (protocol.CHAT_COMPLETIONS_PATH, protocol.COMPLETIONS_PATH):
-        if path.endswith(full):
-            return origin + path[: -len(full)]
-    for suffix in (_CHAT_SUFFIX, _COMPLETIONS_SUFFIX):
-        if path.endswith(suffix):
-            return origin + path[: -len(suffix)]
-    return origin
-
-
 class Tracker:
     """Conversations of one wrapped client and the per-request decisions (see the module docstring)."""
 
@@ -332,8 +285,8 @@ class Tracker:
 
         ``auth``: the request's :data:`AUTH_HEADERS` (lease requests of the conversation copy them).
         """
-        chat = path.endswith(_CHAT_SUFFIX)
-        if not chat and not path.endswith(_COMPLETIONS_SUFFIX):
+        chat = path.endswith(CHAT_SUFFIX)
+        if not chat and not path.endswith(COMPLETIONS_SUFFIX):
             return None
         state = self._conversations.get(conversation_id)
         if state is None or state.closed:  # (an open conversation's id was validated when opened)
@@ -361,13 +314,12 @@ class Tracker:
                         prefix.messages = verdict.raw  # what detector.record keeps as the history
                     if verdict.repaired:
                         data["messages"] = verdict.messages
-                        data.setdefault(_BODY_NAME, conversation_id)
+                        data.setdefault(BODY_NAME, conversation_id)
                         body = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
                 else:
                     prefix = None
-                has_key = _BODY_NAME in data
-        if not has_key:
-            body = inject_conversation_id(body, conversation_id, has_key=has_key)
+                has_key = BODY_NAME in data
+        body = inject_conversation_id(body, conversation_id, has_key=has_key)
         root = router_root(origin, path)
         breaks = verdict is not None and verdict.reuse_off
         # behind a router whose P verifies tokens, a changed history keeps reuse on (verified prefix)
@@ -449,18 +401,18 @@ class Tracker:
         p.header_at = now
         p.status_code = status_code
         got = header_bytes(headers)
-        status = got.get(_STATUS_KEY)
+        status = got.get(STATUS_KEY)
         if status is not None:
-            p.status = _reuse_status(status)
-        reused = got.get(_REUSED_KEY)
+            p.status = reuse_status(status)
+        reused = got.get(REUSED_KEY)
         if reused is not None:
-            p.reused_tokens = _parse_int(reused)
-        ttl = got.get(_TTL_KEY)
+            p.reused_tokens = parse_int(reused)
+        ttl = got.get(TTL_KEY)
         if ttl is not None:
-            p.ttl = _parse_float(ttl)
-        verified = got.get(_VERIFIED_KEY)
+            p.ttl = parse_float(ttl)
+        verified = got.get(VERIFIED_KEY)
         if verified is not None:
-            p.verified = verified.strip().lower() == _VERIFIED_VALUE
+            p.verified = verified.strip().lower() == VERIFIED_VALUE
         if 200 <= status_code < 300:
             # a completion answered: what it says of P is the router's mode (no header: stock)
             verifies = p.verified is True
@@ -476,40 +428,43 @@ class Tracker:
 
     def finish(self, p: Pending, t_end: float, ended_at: float, *, complete: bool) -> None:
         """The response stream ended (``complete``) or was closed early. Idempotent."""
-        if p.done:
-            return
-        p.done = True
-        if not 200 <= p.status_code < 300 or p.observer is None:
-            return
         # the observer has a reply only once it saw the whole of it ([DONE] / finish_reason);
         # openai's sync Stream closes right after [DONE] without draining, so `complete` is False
         # on every normal sync stream and cannot be the test here
-        obs = p.observer.result()
-        if p.sse:
-            ttft = None if obs.first_token_at is None else obs.first_token_at - p.t0
-        else:
-            ttft = p.header_at - p.t0
-        self._turn(p, obs.reply, obs.prompt_tokens, obs.completion_tokens, ttft, ended_at)
+        if self._answered(p) and p.observer is not None:
+            self._observed(p, p.observer, ended_at)
 
     def finish_body(self, p: Pending, body: bytes | None, t_end: float, ended_at: float) -> None:
         """A response read whole (``body``, content-decoded; ``None``: the read failed). Idempotent."""
-        if p.done:
-            return
-        p.done = True
-        if not 200 <= p.status_code < 300:
+        if not self._answered(p):
             return
         if body is None:
             self._turn(p, None, None, None, p.header_at - p.t0, ended_at)
         elif p.sse:  # an event stream, read whole
             observer = ResponseObserver(sse=True)
             observer.feed(body, t_end)
-            obs = observer.result()
-            ttft = None if obs.first_token_at is None else obs.first_token_at - p.t0
-            self._turn(p, obs.reply, obs.prompt_tokens, obs.completion_tokens, ttft, ended_at)
+            self._observed(p, observer, ended_at)
         else:
             reply, usage = json_reply(body) or (None, None)
             prompt_tokens, completion_tokens = usage_tokens(usage)
             self._turn(p, reply, prompt_tokens, completion_tokens, p.header_at - p.t0, ended_at)
+
+    @staticmethod
+    def _answered(p: Pending) -> bool:
+        """Marks ``p`` finished; whether it is a completion answered (2xx) finished only now."""
+        if p.done:
+            return False
+        p.done = True
+        return 200 <= p.status_code < 300
+
+    def _observed(self, p: Pending, observer: ResponseObserver, ended_at: float) -> None:
+        """Record the turn an observer read (a stream: its time to the first token)."""
+        obs = observer.result()
+        if p.sse:
+            ttft = None if obs.first_token_at is None else obs.first_token_at - p.t0
+        else:
+            ttft = p.header_at - p.t0
+        self._turn(p, obs.reply, obs.prompt_tokens, obs.completion_tokens, ttft, ended_at)
 
     def _turn(
         self,
@@ -558,45 +513,3 @@ class Tracker:
         ttl = p.ttl
         if ttl is not None and ttl > 0 and self.lease_sink is not None and not state.closed:
             self.lease_sink.activate(state.id, p.root, ttl, p.auth, explicit=state.explicit)
-
-
-def auth_headers(found: Mapping[bytes, bytes], headers: hx.Headers) -> dict[str, str]:
-    """The :data:`AUTH_HEADERS` of a request, by name, from its :func:`~kvlease._http.header_bytes`."""
-    auth: dict[str, str] = {}
-    for key, name in _AUTH_KEYS:
-        v = found.get(key)
-        if v is not None:
-            auth[name] = header_text(v, headers)
-    return auth
-
-
-_STATUSES: dict[str | bytes, ReuseStatus | None] = {}
-
-
-def _reuse_status(value: str | bytes) -> ReuseStatus | None:
-    try:
-        return _STATUSES[value]
-    except KeyError:
-        status = ReuseStatus.parse(value.decode("latin-1") if isinstance(value, bytes) else value)
-        if len(_STATUSES) < 64:  # a server sends a handful of distinct values
-            _STATUSES[value] = status
-        return status
-
-
-def _parse_int(v: str | bytes | None) -> int | None:
-    if v is None:
-        return None
-    try:
-        return int(v.strip())
-    except ValueError:
-        return None
-
-
-def _parse_float(v: str | bytes | None) -> float | None:
-    if v is None:
-        return None
-    try:
-        f = float(v.strip())
-    except ValueError:
-        return None
-    return f if math.isfinite(f) else None  # (no NaN, no infinity)

@@ -114,12 +114,8 @@ def _resume(body: bytes, prev: BodyPrefix) -> tuple[dict[str, Any], BodyPrefix |
             data = dict(prev.head)
             data["messages"] = items
             data.update(prev.rest)
-            size = last if text.isascii() else len(text[:last].encode("utf-8", "surrogatepass"))
-            return (
-                data,
-                BodyPrefix(body[: base + size], prev.head, items, rest_text, prev.rest),
-                len(prev.messages),
-            )
+            prefix = BodyPrefix(body[: base + _utf8_len(text, last)], prev.head, items, rest_text, prev.rest)
+            return data, prefix, len(prev.messages)
     q = 0
     if text[:1] in _WS:
         q = _ws(text, 0).end()

@@ -129,38 +129,29 @@ class RenewalSchedule:
         """A turn ended with a lease of ``ttl`` seconds on ``root``; returns when that router's
         leases are renewed next."""
         old_root = self._where.get(conversation_id)
+        if old_root != root:
+            if old_root is not None:
+                self._routers[old_root].leases.pop(conversation_id, None)
+            self._where[conversation_id] = root
+        due = now + self.renew_fraction * ttl
         router = self._routers.get(root)
-        if old_root == root and router is not None:  # a conversation's next turn, mostly
-            lease = router.leases.get(conversation_id)
-            if lease is not None:  # its lease, updated in place (its place in the order kept)
-                if headers and headers != router.headers:  # (the same headers every turn, mostly)
-                    router.headers = dict(headers)
-                if ttl < router.ttl:
-                    router.ttl = ttl
-                due = now + self.renew_fraction * ttl
-                if due < router.next_due:
-                    router.next_due = due
-                lease.expires_at, lease.last_active, lease.explicit = now + ttl, now, explicit
-                return router.next_due
-        if old_root is not None and old_root != root:
-            self._routers[old_root].leases.pop(conversation_id, None)
         if router is None:
-            router = self._routers[root] = _Router(ttl, headers, now + self.renew_fraction * ttl)
+            router = self._routers[root] = _Router(ttl, headers, due)
         else:
             if headers and headers != router.headers:  # (the same headers every turn, mostly)
                 router.headers = dict(headers)
-            if router.leases:
-                router.ttl = min(router.ttl, ttl)
-                router.next_due = min(router.next_due, now + self.renew_fraction * ttl)
-            else:  # none open there: a fresh schedule (a due time left by closed leases is stale)
-                router.ttl = ttl
-                router.next_due = now + self.renew_fraction * ttl
+            if not router.leases:  # none open there: a fresh schedule (a due time left is stale)
+                router.ttl, router.next_due = ttl, due
+            else:
+                if ttl < router.ttl:
+                    router.ttl = ttl
+                if due < router.next_due:
+                    router.next_due = due
         lease = router.leases.get(conversation_id)
         if lease is None:
             router.leases[conversation_id] = _Lease(now + ttl, now, explicit)
         else:  # a conversation's next turn: its lease, updated in place (its place in the order kept)
             lease.expires_at, lease.last_active, lease.explicit = now + ttl, now, explicit
-        self._where[conversation_id] = root
         return router.next_due
 
     def forget(self, conversation_id: str) -> ReleaseOrder | None:

@@ -22,9 +22,10 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from kvlease import protocol
-from kvlease._core import CID_KEY, Pending, Tracker, auth_headers
+from kvlease._core import Pending, Tracker
 from kvlease._http import header_bytes, header_text, hx
 from kvlease._observe import ResponseObserver
+from kvlease._wire import CID_KEY, auth_headers
 
 __all__ = ["AsyncKVClient", "AsyncKVTransport", "KVClient", "KVTransport"]
 
@@ -194,23 +195,21 @@ class KVTransport(hx.BaseTransport):
         self.tracker = tracker
 
     def handle_request(self, request: hx.Request) -> hx.Response:
-        pending = _begin(self.tracker, request)
-        response = self.inner.send(request, stream=True)
+        response, pending = self.send_unread(request, stream=True)
         if pending is not None:
-            self.tracker.response(pending, response.status_code, response.headers, _perf())
             # the inner client's response goes on up, its body observed (the wrapping client binds
             # it to this request again, as it would any transport's response)
             response.stream = _ObservedStream(response.stream, pending, self.tracker)
         return response
 
-    def send_unread(self, request: hx.Request) -> tuple[hx.Response, Pending | None]:
-        """For a caller that reads the whole body at once (a non-streamed call): the inner client's
-        response with its body unread and not wrapped, and the tracked request, whose turn the
-        caller finishes with the body it read (:meth:`Tracker.finish_body`)."""
+    def send_unread(self, request: hx.Request, *, stream: bool = False) -> tuple[hx.Response, Pending | None]:
+        """The inner client's response, its body unread, and the tracked request. ``stream``: its
+        body is to be observed as it is read (:meth:`handle_request` wraps it); else the caller
+        reads it whole and finishes the turn with it (:meth:`Tracker.finish_body`)."""
         pending = _begin(self.tracker, request)
         response = self.inner.send(request, stream=True)
         if pending is not None:
-            self.tracker.response(pending, response.status_code, response.headers, _perf(), stream=False)
+            self.tracker.response(pending, response.status_code, response.headers, _perf(), stream=stream)
         return response, pending
 
 
@@ -222,18 +221,18 @@ class AsyncKVTransport(hx.AsyncBaseTransport):
         self.tracker = tracker
 
     async def handle_async_request(self, request: hx.Request) -> hx.Response:
-        pending = _begin(self.tracker, request)
-        response = await self.inner.send(request, stream=True)
+        response, pending = await self.send_unread(request, stream=True)
         if pending is not None:
-            self.tracker.response(pending, response.status_code, response.headers, _perf())
             response.stream = _AsyncObservedStream(response.stream, pending, self.tracker)
         return response
 
-    async def send_unread(self, request: hx.Request) -> tuple[hx.Response, Pending | None]:
+    async def send_unread(
+        self, request: hx.Request, *, stream: bool = False
+    ) -> tuple[hx.Response, Pending | None]:
         pending = _begin(self.tracker, request)
         response = await self.inner.send(request, stream=True)
         if pending is not None:
-            self.tracker.response(pending, response.status_code, response.headers, _perf(), stream=False)
+            self.tracker.response(pending, response.status_code, response.headers, _perf(), stream=stream)
         return response, pending
 
 

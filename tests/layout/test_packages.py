@@ -104,17 +104,22 @@ def test_cycle_detection_sees_lazy_imports(tmp_path: Path) -> None:
     assert {"kvlease_vllm", "kvlease_router"} <= _imported_packages(mod)
 
 
-BLOCK_HEAVY = textwrap.dedent(
-    """
-    import sys, importlib.abc
-    class Block(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in ("vllm", "nixl", "torch", "kvlease_vllm", "kvlease_stack"):
-                raise ImportError(f"blocked for this test: {name}")
-            return None
-    sys.meta_path.insert(0, Block())
-    """
-)
+def _blocking(*packages: str) -> str:
+    """Python code that makes importing any of ``packages`` (or their modules) fail."""
+    return textwrap.dedent(
+        f"""
+        import sys, importlib.abc
+        class Block(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in {packages!r}:
+                    raise ImportError(f"blocked for this test: {{name}}")
+                return None
+        sys.meta_path.insert(0, Block())
+        """
+    )
+
+
+BLOCK_HEAVY = _blocking("vllm", "nixl", "torch", "kvlease_vllm", "kvlease_stack")
 
 
 def test_router_runs_without_vllm() -> None:
@@ -141,15 +146,8 @@ def test_the_protocol_runs_inside_vllm_without_the_sdks_dependencies() -> None:
     """The connector runs inside vLLM's environment, with only the ``connector`` extra installed:
     ``kvlease`` and ``kvlease.protocol`` import there (the SDK's own dependencies blocked) and
     parse a renew body."""
-    code = textwrap.dedent(
+    code = _blocking("orjson", "tenacity", "typer", "rich", "openai") + textwrap.dedent(
         """
-        import sys, importlib.abc
-        class Block(importlib.abc.MetaPathFinder):
-            def find_spec(self, name, path=None, target=None):
-                if name.split(".")[0] in ("orjson", "tenacity", "typer", "rich", "openai"):
-                    raise ImportError(f"blocked for this test: {name}")
-                return None
-        sys.meta_path.insert(0, Block())
         import kvlease
         from kvlease import __version__, protocol
         print(protocol.RenewRequest.from_json({"conversation_ids": ["a", "b"]}).conversation_ids)

@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 
 import kvlease
 from kvlease import HistoryClass, protocol
-from kvlease._core import inject_conversation_id
 from kvlease._http import header_bytes, header_text, hx
 from kvlease._json import loads_request
+from kvlease._wire import inject_conversation_id
 
 CID = "conv-1"
 KEY = protocol.BODY_CONVERSATION_ID

@@ -11,11 +11,11 @@ import pytest
 
 import kvlease
 from kvlease import HistoryClass
-from kvlease._core import _parse_float, inject_conversation_id
 from kvlease._http import header_bytes, header_text, hx
 from kvlease._renewal import RenewalSchedule
 from kvlease._strip import AssistantReply, StripDetector, ToolCall
 from kvlease._transport import _target
+from kvlease._wire import inject_conversation_id, parse_float
 
 CID = "conv-1"
 
@@ -70,7 +70,7 @@ def test_an_id_spliced_into_a_parsed_body_is_the_json_plus_the_id(body: bytes) -
     + [("-inf", None), ("1e400", None), ("x", None), ("", None), (None, None)],
 )
 def test_ttl_header_values(text: str | None, expected: float | None) -> None:
-    got = _parse_float(text)
+    got = parse_float(text)
     assert got == expected and (got is None or math.isfinite(got))
 
 
