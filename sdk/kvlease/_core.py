@@ -404,12 +404,8 @@ class Tracker:
         status = got.get(STATUS_KEY)
         if status is not None:
             p.status = reuse_status(status)
-        reused = got.get(REUSED_KEY)
-        if reused is not None:
-            p.reused_tokens = parse_int(reused)
-        ttl = got.get(TTL_KEY)
-        if ttl is not None:
-            p.ttl = parse_float(ttl)
+        p.reused_tokens = parse_int(got.get(REUSED_KEY))
+        p.ttl = parse_float(got.get(TTL_KEY))
         verified = got.get(VERIFIED_KEY)
         if verified is not None:
             p.verified = verified.strip().lower() == VERIFIED_VALUE

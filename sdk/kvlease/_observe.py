@@ -297,11 +297,7 @@ def json_reply(body: bytes) -> tuple[AssistantReply | None, Any] | None:
     if not isinstance(data, dict):
         return None
     usage = data.get("usage")
-    choices = data.get("choices")
-    if type(choices) is list and choices and type(choices[0]) is dict and choices[0].get("index", 0) == 0:
-        choice: dict[str, Any] | None = choices[0]  # (the one choice, mostly)
-    else:
-        choice = _choice0(choices)
+    choice = _choice0(data.get("choices"))
     if choice is None:
         return None, usage
     message = choice.get("message")

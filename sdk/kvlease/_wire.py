@@ -105,14 +105,15 @@ def auth_headers(found: Mapping[bytes, bytes], headers: hx.Headers) -> dict[str,
     return auth
 
 
-_STATUSES: dict[str | bytes, ReuseStatus | None] = {}
+_STATUSES: dict[bytes, ReuseStatus | None] = {}
 
 
-def reuse_status(value: str | bytes) -> ReuseStatus | None:
+def reuse_status(value: bytes) -> ReuseStatus | None:
+    """A :data:`~kvlease.protocol.HEADER_STATUS` value as it arrived (``None``: not a status)."""
     try:
         return _STATUSES[value]
     except KeyError:
-        status = ReuseStatus.parse(value.decode("latin-1") if isinstance(value, bytes) else value)
+        status = ReuseStatus.parse(value.decode("latin-1"))
         if len(_STATUSES) < 64:  # a server sends a handful of distinct values
             _STATUSES[value] = status
         return status
