@@ -3,8 +3,8 @@
 Separate processes, real HTTP on 127.0.0.1: a ``redis-server`` (the router's state store,
 ``--state redis://``), the fake vLLM P/D pair (``kvlease_stack.testing.fake_vllm``), the router
 (``kvlease router``, its default hardening settings: header timeout 10 s, body timeout 30 s, idle
-timeout 75 s, stream write timeout 30 s, 256 connections per client address, a renew budget of
-2,000 ids/s and a burst of 20,000 per tenant), the victim (this process: aiohttp on uvloop) and,
+timeout 75 s, stream write timeout 30 s, stream stall timeout 5 s, 256 connections and 16 turns in
+flight per client address, a renew budget of 2,000 ids/s and a burst of 20,000 per tenant), the victim (this process: aiohttp on uvloop) and,
 for each attack, an attacker process (this module with ``--attack``), each in its own process
 group. The victim connects from 127.0.0.1; each attack from other loopback addresses
 (127.0.0.2 and up), so the per-address connection bound applies to attackers, not to the victim,
@@ -32,9 +32,11 @@ window with the attack running (the attacker process says when its attack is in 
 * ``stalled_streams``: 50 clients (a 4 KiB receive buffer) that start a streaming chat turn of
   20,000 tokens and never read its body. In this phase's two windows the fake D paces its tokens
   (200/s a stream; the victim's too), else the fake's one event loop, not the router, is what
-  the victim waits for. At that pace the kernel's socket buffers (4 MiB here) take minutes to
-  fill, so within a window the router's writes never block and its 30 s stream write timeout
-  never starts: the 50 streams and their D connections are held for the whole window;
+  the victim waits for. At that pace the kernel's socket buffers take minutes to fill, so the
+  router's writes never block (its 30 s write timeout never starts); what bounds the attack is the
+  address's share of the upstream pool (16 turns in flight, the other 34 wait) and the stall
+  timeout (a stream whose client's TCP acknowledges nothing for 5 s is cut and D's request
+  aborted; the attacker reconnects);
 * ``fuzz``: a burst of garbage (random bytes, broken HTTP, bad JSON, hostile fields, mutated
   bodies), 8 in flight: the router's answers by status (5xx must be 0).
 
@@ -44,8 +46,9 @@ router's CPU (cores, from ``/proc``), redis-server's and the fake pair's and the
 router's store errors and turn statuses (``/metrics``), the load average, and the CPU share other
 processes took meanwhile (figures taken at a high share are not comparable).
 
-Run: ``python benchmarks/hostile_load.py [--quick]`` (windows of 5 s quick, 20 s full);
-importable: ``run(quick) -> dict``.
+Run: ``python benchmarks/hostile_load.py [--quick] [--only ATTACK ...] [--router-arg=--FLAG=VALUE]``
+(windows of 5 s quick, 20 s full; ``--only stalled_streams`` runs that attack alone; each
+``--router-arg`` goes to the router's command line); importable: ``run(quick) -> dict``.
 """
 
 from __future__ import annotations
@@ -222,6 +225,7 @@ async def _metrics(s: aiohttp.ClientSession, router: str) -> dict[str, float]:
         "kvlease_router_store_errors_total",
         "kvlease_router_client_errors_total",
         "kvlease_router_renewals_total",
+        "kvlease_router_stalled_streams_total",
     )
     out: dict[str, float] = {}
     try:
@@ -380,7 +384,10 @@ async def _measure(
 
 
 def run(
-    quick: bool = False, attacks: tuple[str, ...] = ATTACKS, window: float | None = None
+    quick: bool = False,
+    attacks: tuple[str, ...] = ATTACKS,
+    window: float | None = None,
+    router_args: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Start redis-server, the fake pair and the router, run every phase, stop everything."""
     from kvlease_stack.testing._redis import RedisServer
@@ -403,7 +410,7 @@ def run(
                 "--prefill", fake.info["prefill"], "--prefill-control", fake.info["prefill_control"],
                 "--decode", fake.info["decode"][0], "--decode-control", fake.info["decode_control"][0],
                 "--control-secret", SECRET, "--key-secret", KEY_SECRET, "--state", redis.url,
-                "--port", "0", "--log-level", "error",
+                "--port", "0", "--log-level", "error", *router_args,
             ]
         )  # fmt: skip
         procs.append(router)
@@ -494,6 +501,7 @@ def main() -> None:
     ap.add_argument("--window", type=float, help="seconds per window (default 20; quick 5)")
     ap.add_argument("--only", nargs="*", choices=ATTACKS, help="run only these attacks")
     ap.add_argument("--json", action="store_true", help="print the JSON too")
+    ap.add_argument("--router-arg", action="append", default=[], help="an extra flag for the router (repeat)")
     ap.add_argument("--attack", nargs=4, metavar=("NAME", "HOST", "PORT", "SECONDS"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.attack:
@@ -506,7 +514,12 @@ def main() -> None:
             counts = asyncio.run(_attack(name, host, int(port), float(seconds)))
         print(json.dumps(counts), flush=True)
         return
-    res = run(quick=a.quick, attacks=tuple(a.only) if a.only else ATTACKS, window=a.window)
+    res = run(
+        quick=a.quick,
+        attacks=tuple(a.only) if a.only else ATTACKS,
+        window=a.window,
+        router_args=tuple(a.router_arg),
+    )
     if a.json:
         print(json.dumps(res, indent=2))
     print_table(res)

@@ -1,7 +1,8 @@
 """The kvlease router: a multi-turn P/D proxy in front of vLLM prefill and decode servers.
 
-Reading path: ``_app`` (routes, lifespan) → ``_flow`` (one turn) → ``_reuse`` (statuses, handle
-capture; sans-IO) → ``_store`` / ``_redis_store`` (state) → ``_upstreams`` (pools, affinity) →
+Reading path: ``_app`` (routes, lifespan) → ``_body`` (every handler's body reader) → ``_flow``
+(one turn) → ``_clients`` (each address's share of the pool, stalled readers) → ``_reuse``
+(statuses, handle capture; sans-IO) → ``_store`` / ``_redis_store`` (state) → ``_upstreams`` (pools, affinity) →
 ``_lease_api`` (renew/release) → ``_validate`` (start-up checks) → ``_continuity`` (stock vLLM).
 Run it with ``kvlease router --prefill URL --decode URL``.
 

@@ -11,7 +11,6 @@ import time
 from typing import Any
 
 import aiohttp
-import aiohttp.http_exceptions
 import orjson
 from aiohttp import web
 
@@ -32,8 +31,15 @@ from kvlease.protocol import (
     ReuseStatus,
     prefill_request_params,
 )
-from kvlease_router._guard import timeout
-from kvlease_router._identity import IdentityError, conversation_id_from, log_ref, tenant_from
+from kvlease_router._body import read_body, reject
+from kvlease_router._clients import peer_address
+from kvlease_router._identity import (
+    Identity,
+    IdentityError,
+    conversation_id_from,
+    log_ref,
+    tenant_from,
+)
 from kvlease_router._relay import UpstreamTooLarge, passthrough, read_capped, relay_json, relay_stream
 from kvlease_router._retry import AttemptFailed, run_attempts
 from kvlease_router._reuse import judge_prefill
@@ -57,8 +63,6 @@ from kvlease_router._upstreams import Node
 __all__ = ["handle_turn"]
 
 _FORWARD_HEADERS = (HEADER_AUTHORIZATION,)
-#: Content codings the router decodes itself (aiohttp's server); any other is a 415.
-_DECODED = frozenset(("", "identity", "gzip", "x-gzip", "deflate", "br"))
 #: Failures where the node did not take the request (refused, or a pooled keep-alive connection it
 #: had closed): worth one more try on the same node before calling it down. A duplicate is
 #: harmless: P and D compute the same answer again, and a repeated pull of freed blocks recomputes.
@@ -132,11 +136,6 @@ class _Turn:
             )
 
 
-def _bad(router: RouterRuntime, kind: str, message: str, status: int = 400) -> web.Response:
-    router.metrics.client_error(kind, message)
-    return error_response(status, message)
-
-
 def _shape_error(body: dict[str, Any], chat: bool) -> str | None:
     """The OpenAI fields the router reads itself, checked before any upstream call."""
     stream = body.get("stream", False)
@@ -150,68 +149,31 @@ def _shape_error(body: dict[str, Any], chat: bool) -> str | None:
     return None
 
 
-async def _answer_and_close(request: web.Request, resp: web.Response) -> web.Response:
-    """Send ``resp`` and close the connection: the rest of the body is unread (or unreadable), so
-    no lingering read of it and no keep-alive."""
-    resp.force_close()
-    try:
-        await resp.prepare(request)
-        await resp.write_eof()
-    except ConnectionError:
-        pass
-    request.protocol.force_close()
-    return resp
-
-
-async def _read_body(request: web.Request, router: RouterRuntime) -> dict[str, Any] | web.Response:
-    s = router.settings
-    coding = request.headers.get("Content-Encoding")
-    if coding is not None:
-        coding = coding.strip().lower()
-        if coding not in _DECODED:  # the body is left unread: the connection closes after the answer
-            return await _answer_and_close(
-                request, _bad(router, "encoding", f"unsupported Content-Encoding {coding[:40]!r}", 415)
-            )
-    try:
-        if request.content.is_eof():  # the whole body came with the head: reading cannot wait
-            raw = await request.read()
-        else:
-            async with timeout(s.body_timeout):
-                raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        return _bad(router, "too-large", f"request body exceeds {s.max_body_bytes} bytes", 413)
-    except asyncio.TimeoutError:  # TimeoutError from 3.11 on; async-timeout's on 3.10
-        return await _answer_and_close(
-            request,
-            _bad(router, "body-timeout", f"request body not received within {s.body_timeout:g} s", 408),
-        )
-    except (web.RequestPayloadError, aiohttp.http_exceptions.HttpProcessingError, ValueError) as e:
-        # a body that is not what its Content-Encoding says (or a broken chunked encoding): the
-        # rest of the connection's bytes cannot be trusted either
-        return await _answer_and_close(
-            request, _bad(router, "encoding", f"request body cannot be decoded: {type(e).__name__}")
-        )
+async def _read_json(request: web.Request, router: RouterRuntime) -> dict[str, Any] | web.Response:
+    raw = await read_body(request, router)
+    if isinstance(raw, web.Response):
+        return raw
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
-        return _bad(router, "json", f"request body is not valid JSON: {e}")
+        return reject(router, "json", f"request body is not valid JSON: {e}")
     if not isinstance(body, dict):
-        return _bad(router, "json", "request body must be a JSON object")
+        return reject(router, "json", "request body must be a JSON object")
     return body
 
 
 async def handle_turn(request: web.Request, router: RouterRuntime, chat: bool) -> web.StreamResponse:
-    body = await _read_body(request, router)
+    body = await _read_json(request, router)
     if isinstance(body, web.Response):
         return body
     problem = _shape_error(body, chat)
     if problem is not None:
-        return _bad(router, "shape", problem)
+        return reject(router, "shape", problem)
     stream: bool = body.get("stream", False)
     try:
         ident = conversation_id_from(request.headers, body)
     except IdentityError as e:
-        return _bad(router, "identity", str(e))
+        return reject(router, "identity", str(e))
     body.pop(BODY_CONVERSATION_ID, None)
     body.pop(KV_TRANSFER_PARAMS, None)  # never trust a client's handle
     xargs = body.get("vllm_xargs")  # vLLM reads kv_transfer_params from extra_args too
@@ -220,15 +182,46 @@ async def handle_turn(request: web.Request, router: RouterRuntime, chat: bool) -
 
     s = router.settings
     # the tenant (a hash of the bearer token) only when something needs it: the cache salt, the
-    # state key, or (kvlease mode) the tag D's lease and P's claim are counted under
-    salted, kvlease = s.tenant_cache_salt, s.kvlease_mode
-    tenant = tenant_from(request.headers, s.tenant_header) if salted or kvlease or ident is not None else ""
+    # state key, (kvlease mode) the tag D's lease and P's claim are counted under, or its share
+    salted, kvlease, by_tenant = s.tenant_cache_salt, s.kvlease_mode, router.tenant_share.limit
+    tenant = (
+        tenant_from(request.headers, s.tenant_header)
+        if salted or kvlease or by_tenant or ident is not None
+        else ""
+    )
     if salted:
         client_salt = body.get(CACHE_SALT)
         if client_salt is not None and not isinstance(client_salt, str):
-            return _bad(router, "shape", "'cache_salt' must be a string")
+            return reject(router, "shape", "'cache_salt' must be a string")
         body[CACHE_SALT] = router.keyer.cache_salt(tenant, client_salt or "")
 
+    # the client's fair share of the upstream pool: past it the turn waits for one of its own
+    ip = peer_address(request)
+    await router.ip_share.acquire(ip)
+    try:
+        await router.tenant_share.acquire(tenant)
+        try:
+            transport = request.transport
+            if transport is None or transport.is_closing():  # it left while its turn waited
+                return reject(router, "disconnect", "client left before its turn started")
+            return await _admitted(request, router, chat, body, stream, ident, tenant)
+        finally:
+            router.tenant_share.release(tenant)
+    finally:
+        router.ip_share.release(ip)
+
+
+async def _admitted(
+    request: web.Request,
+    router: RouterRuntime,
+    chat: bool,
+    body: dict[str, Any],
+    stream: bool,
+    ident: Identity | None,
+    tenant: str,
+) -> web.StreamResponse:
+    """The turn within its client's share: its state, its plan, and P and D."""
+    s = router.settings
     key = router.keyer.key(tenant, ident.conversation_id) if ident is not None else None
     state, store_ok, healthy = None, True, False
     if key is not None:
@@ -244,7 +237,7 @@ async def handle_turn(request: web.Request, router: RouterRuntime, chat: bool) -
         reuse_enabled=router.reuse_enabled,
         decode_healthy=healthy,
         ttl=router.ttl if key else 0.0,
-        tenant_tag=router.keyer.tenant_tag(tenant) if kvlease else None,
+        tenant_tag=router.keyer.tenant_tag(tenant) if s.kvlease_mode else None,
     )
     turn = _Turn(router, plan(facts, state, time.time(), s), body)
     router.metrics.in_flight.inc()
@@ -376,7 +369,7 @@ async def _run(request: web.Request, router: RouterRuntime, turn: _Turn, stream:
     except _UpstreamDown as e:
         return error_response(502, f"no prefill node answered: {e}", ERROR_UPSTREAM)
     except orjson.JSONEncodeError as e:  # parsed, but nested deeper than orjson writes (254 levels)
-        return _bad(router, "shape", f"request body cannot be forwarded: {e}")
+        return reject(router, "shape", f"request body cannot be forwarded: {e}")
     if p.handle is not None and turn.status is ReuseStatus.HIT:  # P answered with the handle
         turn.status, turn.reused = judge_prefill(p_out, p.state.tokens if p.state else 0)
         if turn.reused:

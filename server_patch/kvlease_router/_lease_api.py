@@ -45,6 +45,8 @@ from kvlease.protocol import (
     RenewResponse,
     validate_conversation_id,
 )
+from kvlease_router._body import read_body, refuse_unread
+from kvlease_router._clients import peer_address
 from kvlease_router._identity import tenant_from
 from kvlease_router._lease_core import LeaseSettings, plan_release, plan_renew, settle_renew
 from kvlease_router._ratelimit import TenantBuckets
@@ -108,28 +110,22 @@ def _rate_limited(wait: float) -> web.Response:
     )
 
 
-def _peer(request: web.Request) -> str:
-    """The client address: the socket peer (the router has no trusted-proxy setting)."""
-    transport = request.transport
-    peer = transport.get_extra_info("peername") if transport is not None else None
-    return str(peer[0]) if isinstance(peer, tuple) and peer else "?"
-
-
 async def handle_renew(request: web.Request, router: RouterRuntime) -> web.Response:
     # Before the body is read or parsed: a tenant, address or the whole router that cannot pay the
     # fixed request cost (spent, or in debt from an earlier renew) costs a 429 and no more.
     tenant = tenant_from(request.headers, router.settings.tenant_header)
-    budgets = _budgets(router, tenant, _peer(request))
+    budgets = _budgets(router, tenant, peer_address(request))
     now = time.monotonic()
     wait = max(b.peek(k, RENEW_REQUEST_COST, now) for b, k in budgets)
     if wait > 0:
-        return _rate_limited(wait)
+        return await refuse_unread(request, _rate_limited(wait))
     for b, k in budgets:
         b.charge(k, RENEW_REQUEST_COST, now)
+    raw = await read_body(request, router)  # every coding, size and disconnect rule of a turn's
+    if isinstance(raw, web.Response):
+        return raw
     try:
-        req = RenewRequest.from_json(orjson.loads(await request.read()))
-    except web.HTTPRequestEntityTooLarge:
-        return error_response(413, f"request body exceeds {router.settings.max_body_bytes} bytes")
+        req = RenewRequest.from_json(orjson.loads(raw))
     except orjson.JSONDecodeError as e:
         return error_response(400, f"request body is not valid JSON: {e}")
     except ProtocolError as e:

@@ -40,19 +40,27 @@ class RateLimit:
 
 
 def _is_client_error(record: logging.LogRecord) -> str | None:
-    """The kind of a client error aiohttp logs with a traceback (a bad HTTP message: 4xx)."""
+    """The kind of a client error aiohttp logs with a traceback: a bad HTTP message (4xx, or an
+    error caused by one: a body that is not what its coding says, met when aiohttp reads what a
+    handler left unread), or a client that reset or closed its connection while a handler used it."""
     exc = record.exc_info[1] if record.exc_info else None
-    if exc is None:
-        return None
-    status = getattr(exc, "code", None) if type(exc).__module__.startswith("aiohttp") else None
-    if isinstance(status, int) and 400 <= status < 500:
-        return type(exc).__name__
+    top = exc
+    for _ in range(4):  # the exception and its causes (aiohttp chains the parser's error)
+        if exc is None:
+            return None
+        if isinstance(exc, (ConnectionResetError, BrokenPipeError)):  # aiohttp's server writes
+            return type(top).__name__  # raise ClientConnectionResetError too: a reset is the client's
+        status = getattr(exc, "code", None) if type(exc).__module__.startswith("aiohttp") else None
+        if isinstance(status, int) and 400 <= status < 500:
+            return type(top).__name__
+        exc = exc.__cause__
     return None
 
 
 class ClientErrorFilter(logging.Filter):
-    """On ``aiohttp.server``: a client's bad HTTP message (aiohttp logs each as an ERROR with a
-    traceback) becomes one INFO line without traceback, at most once a second per kind."""
+    """On ``aiohttp.server``: a client's bad HTTP message or reset connection (aiohttp logs each as
+    an ERROR with a traceback) becomes one INFO line without traceback, at most once a second per
+    kind."""
 
     def __init__(self, limit: RateLimit | None = None) -> None:
         super().__init__()

@@ -62,6 +62,11 @@ class RouterMetrics:
             "kvlease_router_client_errors", "Requests rejected with a 4xx", registry=r
         )
         self.in_flight = Gauge("kvlease_router_in_flight", "Turns in flight", registry=r)
+        self.stalled_streams = Counter(
+            "kvlease_router_stalled_streams",
+            "Streams closed (their D requests aborted) because the client stopped reading",
+            registry=r,
+        )
         #: Client errors are logged at most once a second per kind (a flood of bad requests
         #: must not become a flood of log lines).
         self.client_log = RateLimit(1.0)
@@ -69,6 +74,10 @@ class RouterMetrics:
     def client_error(self, kind: str, message: str) -> None:
         """Count a 4xx; log it at most once a second per kind (never a traceback)."""
         self.client_errors.inc()
+        self.log_client(kind, message)
+
+    def log_client(self, kind: str, message: str) -> None:
+        """Log what a client did at most once a second per kind (never a traceback)."""
         if self.client_log.allow(kind):
             skipped = self.client_log.take_suppressed(kind)
             more = f" ({skipped} more suppressed)" if skipped else ""

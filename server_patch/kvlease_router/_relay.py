@@ -5,13 +5,14 @@ escapes (``"kv\\u005ftransfer_params"``), so any event or body that contains the
 escape is parsed, stripped at every depth and re-serialized (a line that cannot be parsed is
 dropped). Upstream answers and pending SSE events are capped (``max_upstream_bytes``,
 ``max_sse_event_bytes``), SSE is scanned in linear time (each byte is searched for an event
-separator once), and a stuck client write is bounded by ``stream_write_timeout``.
+separator once), and a stuck client write is bounded by ``stream_write_timeout``; a client that
+stopped reading (its TCP acknowledges nothing for ``stream_stall_timeout``) loses its stream.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from typing import Any, Protocol
 
 import aiohttp
@@ -19,7 +20,7 @@ import orjson
 from aiohttp import web
 
 from kvlease.protocol import ERROR_UPSTREAM, SSE_DONE, ErrorBody
-from kvlease_router._guard import timeout
+from kvlease_router._clients import StallWatch
 from kvlease_router._reuse import NEEDLE, strip_params
 from kvlease_router._runtime import JSON_CT, RouterRuntime, error_response, log
 from kvlease_router._upstreams import Node
@@ -218,17 +219,40 @@ async def relay_stream(
     transport = request.transport  # its send buffer is bounded (``_guard``): a stuck reader waits
     await resp.prepare(request)
     write_timeout, event_cap = s.stream_write_timeout, s.max_sse_event_bytes
+    loop = asyncio.get_running_loop()
+    # a client that stopped reading is noticed by its TCP acknowledgements, long before the
+    # router's writes would wait (``_clients.StallWatch``; None where the kernel does not say)
+    watch = StallWatch.of(transport, s.stream_stall_timeout, loop.time())
+    step = watch.check_every if watch is not None else write_timeout
+
+    async def settle(writing: Awaitable[None]) -> None:
+        """A write that waits: at most ``write_timeout``, and no longer than the client stays
+        stalled (the watch is asked between waits)."""
+        task = asyncio.ensure_future(writing)
+        deadline = loop.time() + write_timeout
+        try:
+            while True:
+                done, _ = await asyncio.wait((task,), timeout=step)
+                if done:
+                    task.result()
+                    return
+                now = loop.time()
+                if now >= deadline:
+                    raise _StuckClient(write_timeout)
+                if watch is not None and watch.stalled(now):
+                    raise _StuckClient(watch.after)
+        finally:
+            if not task.done():
+                task.cancel()
 
     async def write(data: bytes) -> None:
+        if watch is not None and watch.stalled(loop.time()):  # one comparison between checks
+            raise _StuckClient(watch.after)
         # below the transport's high-water mark a write never waits: no timer on the hot path
         if transport is not None and transport.get_write_buffer_size() + len(data) < _NO_WAIT:
             await resp.write(data)
             return
-        try:
-            async with timeout(write_timeout):
-                await resp.write(data)
-        except asyncio.TimeoutError:  # TimeoutError from 3.11 on; async-timeout's on 3.10
-            raise _StuckClient from None
+        await settle(resp.write(data))
 
     params: Any = None
     pending = bytearray()
@@ -284,10 +308,8 @@ async def relay_stream(
             held = b""
     except (ConnectionResetError, _StuckClient) as e:
         upstream.close()  # client went away or stopped reading: drop the upstream connection
-        if isinstance(e, _StuckClient):
-            log.info("client stopped reading for %g s: stream closed", write_timeout)
-            if request.transport is not None:
-                request.transport.abort()
+        if isinstance(e, _StuckClient):  # (closing it aborts D's request)
+            _cut(router, request, e)
         await turn.forget()  # the old handle was spent; D aborted the new one
         turn.finish(node, t0)
         return resp
@@ -302,16 +324,29 @@ async def relay_stream(
         await turn.forget()
         turn.finish(node, t0)
         try:
-            await resp.write_eof(held)
+            await settle(resp.write_eof(held))
         except ConnectionResetError:
             pass
+        except _StuckClient as stuck:
+            _cut(router, request, stuck)
         return resp
     # the state is stored before the client sees [DONE], so its next turn finds the new handle
     await turn.capture(node, params, None, True)
+    upstream.release()  # D's answer is all read: its connection goes back to the pool now
     try:
-        await resp.write_eof(held + _DONE if done_seen else held)  # one write: events, [DONE], end
+        await settle(resp.write_eof(held + _DONE if done_seen else held))  # events, [DONE], end
     except ConnectionResetError:
         pass
+    except _StuckClient as e:
+        _cut(router, request, e)
     finally:
         turn.finish(node, t0)
     return resp
+
+
+def _cut(router: RouterRuntime, request: web.Request, e: _StuckClient) -> None:
+    """Close the connection of a client that stopped reading (logged like a client error)."""
+    router.metrics.stalled_streams.inc()
+    router.metrics.log_client("stalled-stream", f"client stopped reading for {e.args[0]:g} s")
+    if request.transport is not None:
+        request.transport.abort()

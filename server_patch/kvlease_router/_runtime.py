@@ -26,6 +26,7 @@ from kvlease.protocol import (
     ErrorBody,
     ProtocolError,
 )
+from kvlease_router._clients import FairShare
 from kvlease_router._identity import Keyer, log_ref
 from kvlease_router._metrics import MissRateMonitor, RouterMetrics
 from kvlease_router._ratelimit import TenantBuckets
@@ -92,6 +93,9 @@ class RouterRuntime:
         self.renew_budget = TenantBuckets(s.renew_ids_per_s, s.renew_burst_ids)
         self.renew_ip_budget = TenantBuckets(s.renew_ip_ids_per_s, s.renew_ip_burst_ids)
         self.renew_global_budget = TenantBuckets(s.renew_global_ids_per_s, s.renew_global_burst_ids, 1)
+        #: Each client address's (and tenant's) share of the upstream pool (``_clients``).
+        self.ip_share = FairShare(s.turns_per_ip)
+        self.tenant_share = FairShare(s.max_turns_per_tenant)
         # built once: an upstream call's timeouts are the same for every turn
         # (prefill: sock_connect bounds opening a connection; waiting for a free pooled one
         # counts against total)

@@ -74,6 +74,14 @@ class RouterSettings:
     #: instead of a connect storm); idle ones are closed after ``keepalive_timeout`` seconds.
     upstream_connections: int = 256
     keepalive_timeout: float = 15.0
+    #: A fair share of those: turns in flight per client address (``None``: a sixteenth of
+    #: ``upstream_connections``, 16 at 256) and per tenant (0: no bound, the default: many
+    #: deployments give every client one key); past its share a turn waits for one of its own.
+    max_turns_per_ip: int | None = None
+    max_turns_per_tenant: int = 0
+    #: A stream whose client acknowledged none of the bytes waiting for it this long (seconds) is
+    #: closed, and its D request aborted (Linux; elsewhere ``stream_write_timeout`` only).
+    stream_stall_timeout: float = 5.0
     #: Timeouts (seconds). ``connect_timeout`` bounds opening one TCP connection, not the wait for
     #: a free pooled one (that wait is bounded by the request's own timeout).
     connect_timeout: float = 5.0
@@ -144,6 +152,10 @@ class RouterSettings:
             raise ConfigError("max_upstream_bytes and max_sse_event_bytes must be at least 1024")
         if self.upstream_connections < 1:
             raise ConfigError("upstream_connections must be at least 1")
+        if (self.max_turns_per_ip or 0) < 0 or self.max_turns_per_tenant < 0:
+            raise ConfigError("max_turns_per_ip and max_turns_per_tenant must not be negative (0: no bound)")
+        if self.stream_stall_timeout <= 0:
+            raise ConfigError("stream_stall_timeout must be positive")
         if self.keepalive_timeout <= 0:
             raise ConfigError("keepalive_timeout must be positive")
         if self.store_connections < 1:
@@ -169,6 +181,13 @@ class RouterSettings:
     def kvlease_mode(self) -> bool:
         """True when the nodes run the kvlease connector (control endpoints configured)."""
         return self.prefill[0].control is not None
+
+    @property
+    def turns_per_ip(self) -> int:
+        """The per-address share of the upstream pool (0: no bound)."""
+        if self.max_turns_per_ip is not None:
+            return self.max_turns_per_ip
+        return max(1, self.upstream_connections // 16)
 
     def resolved_ttl(self, decode_ttl: float) -> float:
         """The router's lease TTL given D's TTL; raises :class:`ConfigError` when misordered."""

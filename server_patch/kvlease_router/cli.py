@@ -178,6 +178,19 @@ def app(
     max_connections_per_ip: int | None = typer.Option(
         None, "--max-connections-per-ip", help="Open connections per client address (256; 0: no bound)."
     ),
+    max_turns_per_ip: int | None = typer.Option(
+        None,
+        "--max-turns-per-ip",
+        help="Turns in flight per client address; past it they wait (pool/16: 16; 0: no bound).",
+    ),
+    max_turns_per_tenant: int | None = typer.Option(
+        None, "--max-turns-per-tenant", help="Turns in flight per tenant; past it they wait (0: no bound)."
+    ),
+    stream_stall_timeout: float | None = typer.Option(
+        None,
+        "--stream-stall-timeout",
+        help="Close a stream whose client acknowledges nothing this long, aborting D's request (5).",
+    ),
     max_upstream_bytes: int | None = typer.Option(
         None, "--max-upstream-bytes", help="Cap on a non-streamed P or D answer (64 MiB; 502 above)."
     ),
@@ -226,6 +239,9 @@ def app(
             ("idle_timeout", idle_timeout),
             ("stream_write_timeout", stream_write_timeout),
             ("max_connections_per_ip", max_connections_per_ip),
+            ("max_turns_per_ip", max_turns_per_ip),
+            ("max_turns_per_tenant", max_turns_per_tenant),
+            ("stream_stall_timeout", stream_stall_timeout),
             ("max_upstream_bytes", max_upstream_bytes),
             ("max_sse_event_bytes", max_sse_event_bytes),
             ("renew_ip_ids_per_s", renew_ip_ids_per_s),

@@ -51,7 +51,9 @@ class TestChatKVLeaseStandardIntegration(ChatModelIntegrationTests):
     def chat_model_params(self) -> dict[str, Any]:
         assert self.endpoint is not None
         base_url, model = self.endpoint
-        return {"model": model, "base_url": base_url, "api_key": "itest"}
+        # No heartbeats: the suite makes a model per test and never closes it, and each would keep
+        # a lease keeper thread renewing against this module's router after it stopped.
+        return {"model": model, "base_url": base_url, "api_key": "itest", "heartbeat": False}
 
     @property
     def standard_chat_model_params(self) -> dict[str, Any]:
