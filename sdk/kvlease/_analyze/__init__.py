@@ -7,6 +7,10 @@ Reading path: ``_model`` (the figures, sans-IO) -> ``_recommend`` -> ``_formats`
 ``kvlease plan``, the capacity planner: ``_plan`` (the retention model and replay, sans-IO) ->
 ``_plan_report`` (the sweep of caps, the recommendation, the table) -> ``_plan_api`` (``plan(path)``,
 through the same readers) -> ``_plan_plot`` -> ``plan_cli``. ``_synth`` generates agent traces.
+``kvlease plan --cluster``, the session-level simulator: ``_cluster_costs`` (model classes and every
+cost with its source) -> ``_cluster`` (sessions on P and D nodes under five policies, sans-IO) ->
+``_cluster_report`` (the policies at equal load, the sessions sweep, the table) -> ``_plan_api``
+(``plan_cluster_file(path)``) -> ``plan_cli``.
 """
 
 from __future__ import annotations

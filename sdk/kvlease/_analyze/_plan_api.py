@@ -1,19 +1,28 @@
 """``plan(path)``: the IO shell of the capacity planner. Reads any format the analyzer reads,
-through the analyzer's readers, into columns; ``_plan`` replays them."""
+through the analyzer's readers, into columns; ``_plan`` replays them. ``plan_cluster_file(path)``
+does the same for the cluster simulator (``_cluster``)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from itertools import repeat
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from kvlease._analyze._api import readable_twice
+from kvlease._analyze._cluster import build_sessions
+from kvlease._analyze._cluster_costs import ClusterConfig
+from kvlease._analyze._cluster_report import ClusterPlan, plan_cluster
 from kvlease._analyze._formats import MOONCAKE_BLOCK_SIZE, InputFormat, read_into
 from kvlease._analyze._model import TurnInput
 from kvlease._analyze._plan import prepare
 from kvlease._analyze._plan_report import CapacityPlan, PlanConfig, plan_trace
+
+#: ``plan_cluster_file`` runs the policies in parallel processes from this many turns on.
+PARALLEL_TURNS: Final = 50_000
 
 
 class TurnCollector:
@@ -74,3 +83,34 @@ def plan(
     """Read ``path`` and plan the decode-side retention of its traffic (``_plan_report.plan_trace``)."""
     turns, info = read_turns(path, format=format, strict=strict, mooncake_block_size=mooncake_block_size)
     return replace(plan_trace(prepare(turns), config), source=info)
+
+
+def plan_cluster_file(
+    path: str | Path,
+    config: ClusterConfig,
+    *,
+    format: InputFormat | str | None = None,
+    strict: bool = False,
+    mooncake_block_size: int = MOONCAKE_BLOCK_SIZE,
+    slots: int | None = None,
+    sweep: bool = True,
+    per_turn: bool = False,
+    jobs: int | None = None,
+) -> ClusterPlan:
+    """Read ``path`` and simulate its sessions on ``config``'s cluster (``_cluster_report.plan_cluster``).
+
+    ``jobs``: processes for the policies (None: one per CPU, up to one per policy, on traces of
+    :data:`PARALLEL_TURNS` turns or more; 1 runs them here)."""
+    turns, info = read_turns(path, format=format, strict=strict, mooncake_block_size=mooncake_block_size)
+    sessions = build_sessions(turns, config.decode_tps.value)
+    del turns
+    if jobs is None:
+        jobs = min(os.cpu_count() or 1, 5) if sessions.turns >= PARALLEL_TURNS else 1
+    if jobs <= 1:
+        result = plan_cluster(sessions, config, slots=slots, sweep=sweep, per_turn=per_turn)
+    else:
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            result = plan_cluster(
+                sessions, config, slots=slots, sweep=sweep, per_turn=per_turn, map_fn=pool.map
+            )
+    return replace(result, source=info)

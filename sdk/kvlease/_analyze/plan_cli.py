@@ -1,8 +1,11 @@
 """``kvlease plan FILE``: the capacity planner's command (registered in the ``kvlease.commands``
-entry-point group). A thin shell: options -> :class:`PlanConfig` -> ``plan()`` -> table or JSON."""
+entry-point group). A thin shell: options -> :class:`PlanConfig` -> ``plan()`` -> table or JSON;
+with ``--cluster``, options -> ``ClusterConfig`` -> ``plan_cluster_file()`` -> table, JSON and the
+per-turn JSONL."""
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -12,13 +15,16 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from kvlease._analyze._cluster_costs import CLASS_ALIASES, CLASS_PRESETS, ClusterInputError, cluster_config
+from kvlease._analyze._cluster_report import per_turn_records, render_cluster
+from kvlease._analyze._cluster_report import to_json_text as cluster_json_text
 from kvlease._analyze._formats import (
     MOONCAKE_BLOCK_SIZE,
     InputFormat,
 )
 from kvlease._analyze._model import DEFAULT_MAX_IDLE, DEFAULT_TTL
 from kvlease._analyze._plan import DEFAULT_BLOCK_SIZE, DTYPE_BYTES, PRESETS, ModelKV
-from kvlease._analyze._plan_api import plan
+from kvlease._analyze._plan_api import plan, plan_cluster_file
 from kvlease._analyze._plan_report import DEFAULT_POINTS, DEFAULT_TARGET, PlanConfig, render, to_json_text
 from kvlease._analyze.cli import input_errors, input_path, require_plotting
 
@@ -66,6 +72,52 @@ def kv_bytes_per_token(
         raise typer.BadParameter("--layers, --kv-heads and --head-dim go together", param_hint="--layers")
     m = ModelKV(layers or 0, kv_heads or 0, head_dim or 0, dtype)
     return m.bytes_per_token, f"{layers} layers x {kv_heads} KV heads x {head_dim} ({dtype})"
+
+
+def _is_class(model: str) -> bool:
+    key = model.lower()
+    return key in CLASS_ALIASES or key.removesuffix("-class") in CLASS_PRESETS
+
+
+def cluster_kv(
+    model: str | None,
+    per_token: int | None,
+    layers: int | None,
+    kv_heads: int | None,
+    head_dim: int | None,
+    dtype: str,
+) -> ModelKV | None:
+    """The KV shape for ``--cluster``: a class preset (None: the class's own, in bf16), a KV preset,
+    or ``--layers/--kv-heads/--head-dim``; not ``--kv-bytes-per-token`` (the per-block READ needs
+    the layers)."""
+    shape = (layers, kv_heads, head_dim)
+    if per_token is not None:
+        raise typer.BadParameter(
+            "--cluster needs the model's shape: --model or --layers/--kv-heads/--head-dim",
+            param_hint="--kv-bytes-per-token",
+        )
+    if model is not None and any(v is not None for v in shape):
+        raise typer.BadParameter(
+            "give --model or --layers/--kv-heads/--head-dim, not both", param_hint="--model"
+        )
+    if model is not None:
+        if _is_class(model):
+            key = CLASS_ALIASES.get(model.lower(), model.lower().removesuffix("-class"))
+            base = CLASS_PRESETS[key].kv
+        elif model.lower() in PRESETS:
+            base = PRESETS[model.lower()]
+        else:
+            names = ", ".join([*CLASS_PRESETS, *PRESETS])
+            raise typer.BadParameter(
+                f"unknown model {model!r}; with --cluster: {names}", param_hint="--model"
+            )
+        return ModelKV(base.layers, base.kv_heads, base.head_dim, dtype, base.name)
+    if any(v is None for v in shape):
+        raise typer.BadParameter(
+            "--cluster needs --model (8b, 32b, 70b) or --layers, --kv-heads and --head-dim",
+            param_hint="--model",
+        )
+    return ModelKV(layers or 0, kv_heads or 0, head_dim or 0, dtype)
 
 
 def plan_command(
@@ -125,12 +177,160 @@ def plan_command(
         dir_okay=False,
         help="Write a PNG: hit rate and reused tokens against the retention cap per node.",
     ),
+    cluster: bool = typer.Option(
+        False,
+        "--cluster",
+        help="Session-level mode: simulate P and D nodes, tiers and TTFT for five policies "
+        "(models 8b, 32b, 70b; --nodes counts D nodes).",
+        rich_help_panel="Cluster",
+    ),
+    p_nodes: int | None = typer.Option(
+        None, "--p-nodes", min=1, help="Prefill nodes (default: --nodes).", rich_help_panel="Cluster"
+    ),
+    gpus: int | None = typer.Option(
+        None, "--gpus", min=1, help="GPUs per node (default: the class's).", rich_help_panel="Cluster"
+    ),
+    prefill_tps: float | None = typer.Option(
+        None, "--prefill-tps", min=0, help="Prefill tokens/s per P node.", rich_help_panel="Cluster"
+    ),
+    decode_tps: float | None = typer.Option(
+        None, "--decode-tps", min=0, help="Decode tokens/s of one sequence.", rich_help_panel="Cluster"
+    ),
+    hbm_kv: str | None = typer.Option(
+        None, "--hbm-kv", help="KV cache (HBM) per node, e.g. 60GB.", rich_help_panel="Cluster"
+    ),
+    host_mem: str | None = typer.Option(
+        None, "--host-mem", help="Host arena per D node, e.g. 1TB.", rich_help_panel="Cluster"
+    ),
+    p_cache: str | None = typer.Option(
+        None, "--p-cache", help="P's prefix cache per P node (0: off).", rich_help_panel="Cluster"
+    ),
+    nic_gbps: float | None = typer.Option(
+        None, "--nic-gbps", min=0, help="NIC GB/s per GPU (default 50).", rich_help_panel="Cluster"
+    ),
+    host_pull_gbps: float | None = typer.Option(
+        None,
+        "--host-pull-gbps",
+        min=0,
+        help="Host tier pull GB/s (default 0.9, measured).",
+        rich_help_panel="Cluster",
+    ),
+    demote_gbps: float | None = typer.Option(
+        None,
+        "--demote-gbps",
+        min=0,
+        help="D2H demotion GB/s (default 53, measured).",
+        rich_help_panel="Cluster",
+    ),
+    per_block_pull: bool = typer.Option(
+        False,
+        "--per-block-pull",
+        help="Device pulls as per-block READs, not staged.",
+        rich_help_panel="Cluster",
+    ),
+    retained_fraction: float = typer.Option(
+        0.5,
+        "--retained-fraction",
+        min=0.0,
+        max=1.0,
+        help="Leases' cap: share of D's KV cache.",
+        rich_help_panel="Cluster",
+    ),
+    ttft_target: float = typer.Option(
+        2.0,
+        "--ttft-target",
+        min=0.0,
+        help="TTFT p90 target, seconds (the sessions sweep).",
+        rich_help_panel="Cluster",
+    ),
+    sessions: int | None = typer.Option(
+        None,
+        "--sessions",
+        min=1,
+        help="Load: this many concurrent sessions (default: the trace's start times).",
+        rich_help_panel="Cluster",
+    ),
+    sweep: bool = typer.Option(
+        True,
+        "--sweep/--no-sweep",
+        help="Find the sessions per D node under the TTFT target.",
+        rich_help_panel="Cluster",
+    ),
+    jobs: int | None = typer.Option(
+        None,
+        "--jobs",
+        min=1,
+        help="Processes for the policies (default: one per CPU on large traces).",
+        rich_help_panel="Cluster",
+    ),
+    per_turn: Path | None = typer.Option(
+        None,
+        "--per-turn",
+        dir_okay=False,
+        help="Write each simulated turn (policy, source, TTFT) as JSONL.",
+        rich_help_panel="Cluster",
+    ),
 ) -> None:
     """How much decode memory would leases hold for this traffic, and what hit rate does each amount buy?
 
-    Replays the trace through a model of decode-side KV retention (fixed TTL as upstream vLLM, heartbeat leases with max-idle as kvlease, leases under a per-node cap evicting the oldest deadline first) and recommends a lease TTL, max-idle and max_retained_fraction.
+    Replays the trace through a model of decode-side KV retention (fixed TTL as upstream vLLM, heartbeat leases with max-idle as kvlease, leases under a per-node cap evicting the oldest deadline first) and recommends a lease TTL, max-idle and max_retained_fraction. With --cluster: simulates the sessions on P and D nodes under five policies (no reuse, fixed TTL, leases in HBM, write-through leases in the host arena, an LRU host tier) and reports TTFT, hit sources, memory and the sessions a decode node sustains.
     """
     err = Console(stderr=True)
+    if cluster:
+        if plot is not None:
+            raise typer.BadParameter(
+                "--plot draws the retention sweep; not with --cluster", param_hint="--plot"
+            )
+        if dtype not in DTYPE_BYTES:
+            raise typer.BadParameter(f"one of {', '.join(DTYPE_BYTES)}", param_hint="--dtype")
+        kv = cluster_kv(model, per_token, layers, kv_heads, head_dim, dtype)
+        try:
+            ccfg = cluster_config(
+                model if model is not None and _is_class(model) else None,
+                p_nodes=p_nodes or nodes,
+                d_nodes=nodes,
+                kv=kv,
+                gpus=gpus,
+                prefill_tps=prefill_tps,
+                decode_tps=decode_tps,
+                hbm_kv=None if hbm_kv is None else parse_bytes(hbm_kv),
+                host_bytes=None if host_mem is None else parse_bytes(host_mem),
+                p_cache=None if p_cache is None else parse_bytes(p_cache),
+                nic_gbps=nic_gbps,
+                host_pull_gbps=host_pull_gbps,
+                demote_gbps=demote_gbps,
+                per_block=per_block_pull,
+                ttl=ttl,
+                max_idle=max_idle,
+                retained_fraction=retained_fraction,
+                release_on_close=release_on_close,
+                block_size=block_size,
+                ttft_target=ttft_target,
+            )
+        except ClusterInputError as e:
+            raise typer.BadParameter(str(e), param_hint="--cluster") from None
+        with input_errors(err, file):
+            cplan = plan_cluster_file(
+                file,
+                ccfg,
+                format=input_format,
+                strict=strict,
+                mooncake_block_size=mooncake_block_size,
+                slots=sessions,
+                sweep=sweep,
+                per_turn=per_turn is not None,
+                jobs=jobs,
+            )
+        if per_turn is not None:
+            with per_turn.open("w", encoding="utf-8") as f:
+                f.writelines(json.dumps(r) + "\n" for r in per_turn_records(cplan))
+        if as_json:
+            sys.stdout.write(cluster_json_text(cplan) + "\n")
+        else:
+            render_cluster(cplan, Console())
+        if cplan.source.get("malformed"):
+            err.print(f"warning: {cplan.source['malformed']:,} malformed records skipped", highlight=False)
+        return
     if dtype not in DTYPE_BYTES:
         raise typer.BadParameter(f"one of {', '.join(DTYPE_BYTES)}", param_hint="--dtype")
     bpt, label = kv_bytes_per_token(model, per_token, layers, kv_heads, head_dim, dtype)
