@@ -4,15 +4,20 @@ Needs a CUDA GPU, torch, numpy and NIXL (`pip install nixl-cu13==1.5.1`); no vLL
 (D holds the KV and is read from; P initiates the READs), both on GPU 0, talking through UCX
 (`cuda_ipc` with `UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on`, which this script sets unless you set it).
 
-The KV layout is vLLM's: one registered region per (layer, K/V), each
-`num_blocks x block_size x kv_heads x head_dim` (bf16); a pull of `n` tokens moves
-`ceil(n / block_size)` blocks of every region. Block ids are drawn at random on each side, as a
-long-running server's free pool hands them out. Methods, per history length:
+The KV layout is vLLM's. ``--kv-regions packed`` (the default: vLLM 0.32 and 0.33, whose NIXL
+connector asks for the LBHNC layout) registers ONE region per layer, K and V packed into each
+page, `num_blocks x block_size x kv_heads x 2 * head_dim`; ``--kv-regions split`` registers one
+region per (layer, K/V), each `num_blocks x block_size x kv_heads x head_dim` (the layout the first
+H200 figures were taken with). bf16 either way; a pull of `n` tokens moves `ceil(n / block_size)`
+blocks of every region, the same bytes in both layouts, in half as many descriptors when packed.
+Block ids are drawn at random on each side, as a long-running server's free pool hands them out.
+Methods, per history length:
 
 - ``per_block``: one descriptor per (region, block), as vLLM's NIXL worker posts them (prepped
   descriptor lists of every block on both sides, `make_prepped_xfer` by index). NIXL merges only
   descriptors adjacent on both sides, so random ids leave it one descriptor per block.
-- ``coalesced``: the same bytes as one contiguous run per region (128 descriptors): the ceiling.
+- ``coalesced``: the same bytes as one contiguous run per region (one descriptor per region): the
+  ceiling.
 - ``staged``: D gathers the blocks into a registered contiguous staging buffer (one `index_select`
   per region), P reads it with ONE descriptor and scatters it into its own blocks (`index_copy_`).
   Timed end to end from P's request to D until P's blocks hold the data (the request and the
@@ -25,6 +30,11 @@ Every method is checked: P's blocks must hold D's data for the drawn ids. Prints
 ``--json FILE``, writes the figures (milliseconds, medians of ``--runs``).
 
     python benchmarks/gpu_nixl_pull.py --tokens 1024,4096,8192,16384,24576 --json out.json
+    python benchmarks/gpu_nixl_pull.py --kv-regions split --json split.json   # the old layout
+
+kvlease's cost-model defaults (``kvlease_vllm._config.KVLeaseConfig``: ``pull_per_descriptor_s``,
+``default_pull_bandwidth_bps``, ``pull_fixed_latency_s``, ``staging_min_descriptors``,
+``staging_bandwidth_bps``) are derived from this script's figures.
 """
 
 from __future__ import annotations
@@ -48,14 +58,16 @@ class Layout:
     block_size: int = 16
     num_blocks: int = 4096
     dtype_bytes: int = 2  # bf16
+    kv_regions: str = "packed"  # "packed": one region per layer (vLLM 0.32, 0.33); "split": K, V
 
     @property
     def regions(self) -> int:
-        return 2 * self.layers  # K and V separate, as vLLM registers them
+        return self.layers if self.kv_regions == "packed" else 2 * self.layers
 
     @property
     def block_elems(self) -> int:
-        return self.block_size * self.kv_heads * self.head_dim
+        per_head = 2 * self.head_dim if self.kv_regions == "packed" else self.head_dim
+        return self.block_size * self.kv_heads * per_head
 
     @property
     def block_bytes(self) -> int:
@@ -310,6 +322,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--num-blocks", type=int, default=4096)
+    ap.add_argument(
+        "--kv-regions",
+        choices=("packed", "split"),
+        default="packed",
+        help="packed: one region per layer, K and V in each page (vLLM 0.32, 0.33); "
+        "split: one region per layer and K/V (the layout of the first H200 figures)",
+    )
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--threads", type=int, default=4, help="NIXL UCX worker threads (vLLM uses 4)")
     ap.add_argument("--seed", type=int, default=0)
@@ -324,7 +343,14 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "on")
     import torch.multiprocessing as mp
 
-    layout = Layout(args.layers, args.kv_heads, args.head_dim, args.block_size, args.num_blocks)
+    layout = Layout(
+        args.layers,
+        args.kv_heads,
+        args.head_dim,
+        args.block_size,
+        args.num_blocks,
+        kv_regions=args.kv_regions,
+    )
     tokens = [int(x) for x in args.tokens.split(",")]
     ctx = mp.get_context("spawn")
     p_end, d_end = ctx.Pipe()

@@ -102,6 +102,9 @@ class StackSpec:
     #: Model dtype of both servers (``float32`` or ``bfloat16``). The tests keep ``bfloat16`` (block
     #: counts and caps are sized for it); the demo and benchmarks take :func:`default_dtype`.
     dtype: str = "bfloat16"
+    #: ``kv_load_failure_policy`` of the decode server (None: upstream's default, ``fail``; the
+    #: prefill server always runs ``recompute``).
+    decode_failure_policy: str | None = None
 
     def __post_init__(self) -> None:
         if self.model not in ("tiny", "small", "hybrid"):
@@ -112,6 +115,10 @@ class StackSpec:
             raise ValueError("ttl must be > 0")
         if self.recompute_threshold < 0:
             raise ValueError("recompute_threshold must be >= 0")
+        if self.decode_failure_policy not in (None, "fail", "recompute"):
+            raise ValueError(
+                f"decode_failure_policy must be 'fail' or 'recompute', not {self.decode_failure_policy!r}"
+            )
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', not {self.dtype!r}")
         if self.max_model_len < 16:
@@ -157,6 +164,8 @@ def kv_transfer_config(
     cfg["kv_connector_extra_config"] = extra
     if role == "prefill":
         cfg["kv_load_failure_policy"] = "recompute"
+    elif spec.decode_failure_policy is not None:
+        cfg["kv_load_failure_policy"] = spec.decode_failure_policy
     return cfg
 
 

@@ -11,6 +11,7 @@ that names the key (a typo must not silently switch a safety feature off).
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 import re
 from collections.abc import Mapping, MutableMapping
@@ -116,8 +117,12 @@ class KVLeaseConfig:
     #: stepping while leases are held. Off: upstream's delayed free (the engine keeps stepping).
     own_block_refs: bool = True
     #: Cost model defaults, used until the first observation: a NIXL READ measured on an H200
-    #: (benchmarks/gpu_nixl_pull.json): ~3.2 us per descriptor (vLLM posts one per layer, K/V and
-    #: block), ~750 GB/s once coalesced, ~5 ms fixed.
+    #: (benchmarks/gpu_nixl_pull.json): ~3.2 us per descriptor, ~750 GB/s once coalesced, ~5 ms
+    #: fixed. Measured with K and V as separate regions (two descriptors per layer and block, each
+    #: half a page); vLLM 0.32 and 0.33 register one region per layer with K and V packed (one
+    #: descriptor of a whole page). ``pull_per_descriptor_s``, ``default_pull_bandwidth_bps``,
+    #: ``pull_fixed_latency_s``, ``staging_min_descriptors`` and ``staging_bandwidth_bps`` come from
+    #: that run: re-derive them with ``gpu_nixl_pull.py --kv-regions packed``.
     default_pull_bandwidth_bps: float = 750.0e9
     pull_per_descriptor_s: float = 3.2e-6
     default_prefill_tokens_per_s: float = 4000.0
@@ -136,8 +141,9 @@ class KVLeaseConfig:
     #: predicts it faster; ``always``: every pull that fits (tests). Any refusal falls back to the
     #: per-block READ; a D without staging is read block by block.
     staging: str = "auto"
-    #: Capacity of each worker's staging buffer, in tokens of this model's KV (the buffer is
-    #: allocated next to the KV cache: leave room for it, e.g. lower gpu_memory_utilization).
+    #: Capacity of each worker's staging buffer, in tokens of this model's KV. The buffer is
+    #: allocated after the KV cache, outside vLLM's memory budget: a GPU worker refuses to start
+    #: when it does not fit in what ``gpu_memory_utilization`` leaves (:func:`check_staging_memory`).
     staging_max_tokens: int = 8192
     #: How long P waits for D's gather before pulling block by block instead.
     staging_timeout_s: float = 2.0
@@ -145,7 +151,8 @@ class KVLeaseConfig:
     #: Staged pull rate (gather + one READ + scatter) until measured: H200, 6.4 GB in 18.1 ms with
     #: the 5 ms fixed cost (benchmarks/gpu_nixl_pull.json, ``staged``).
     staging_bandwidth_bps: float = 4.9e11
-    #: D: the staging listener's port of tensor-parallel rank 0 (rank r: + r); 0 picks free ports.
+    #: D: the staging listener's port of TP rank 0 of data-parallel rank 0 (data-parallel rank d,
+    #: TP rank r: + d x TP size + r); 0 picks free ports.
     staging_port: int = 0
     #: Poll timeout (microseconds) of NIXL's progress thread in this node's workers: it waits on
     #: the UCX workers' event descriptors instead of spinning a core (NIXL's Python API sets 0, a
@@ -353,6 +360,91 @@ def check_platform(*, device_type: str, kv_buffer_device: str | None, bidirectio
             f"set {BUFFER_DEVICE_KEY} to '{device_type}' (kvlease pulls device to device) or turn "
             f"{BIDIR_KEY} off"
         )
+
+
+ROLE_KEY: Final = "kv_transfer_config.kv_role"
+
+
+def check_free_ordering(
+    *, kv_role: str | None, bidirectional: bool, concurrent_batches: int, async_scheduling: bool
+) -> None:
+    """Refuse a prefill node whose pulls could land in blocks a step in flight still writes.
+
+    With more than one batch in flight (``vllm_config.max_concurrent_batches`` > 1: async
+    scheduling, on by default on GPUs in vLLM 0.33, or pipeline parallelism) vLLM returns a
+    finished or aborted request's blocks to the pool only after the steps that may still write them
+    have been processed, and it does so only on a KV *consumer* (``kv_consumer``, ``kv_both``). A
+    ``kv_producer`` with ``bidirectional_kv_xfer`` loads KV from decode nodes, so a pull scheduled
+    in the next step could read into such blocks before that step's write, and the stale write
+    would win. The same rule in vLLM 0.32 and 0.33.
+    """
+    if not bidirectional or kv_role != "kv_producer" or concurrent_batches <= 1:
+        return
+    why = "async scheduling" if async_scheduling else "pipeline parallelism"
+    raise ConfigError(
+        f"{ROLE_KEY}='kv_producer' with kv_connector_extra_config.{BIDIR_KEY}: this prefill node "
+        f"loads KV from decode nodes, but with {why} ({concurrent_batches} batches in flight) vLLM "
+        "defers freeing a request's blocks only on a KV consumer, so a pull could be overwritten by "
+        "a step still in flight; start this node with --no-async-scheduling "
+        "(scheduler_config.async_scheduling=false) and --pipeline-parallel-size 1, or set "
+        f"{ROLE_KEY} to 'kv_both' (a consumer too: vLLM then defers the frees)"
+    )
+
+
+#: What the staging buffer must leave free of the memory vLLM keeps outside its budget
+#: (``(1 - gpu_memory_utilization) x total``): the CUDA context (about 0.5 GiB on Hopper) and the
+#: NCCL communicators created before vLLM's memory snapshot live there, as do UCX's CUDA bounce
+#: buffers and registration caches and the caching allocator's fragmentation. A judgement, not a
+#: measurement.
+STAGING_HEADROOM_BYTES: Final = 2 << 30
+UTILIZATION_KEY: Final = "cache_config.gpu_memory_utilization (--gpu-memory-utilization)"
+
+
+def check_staging_memory(
+    *,
+    staging_bytes: int,
+    staging_tokens: int,
+    total_bytes: int,
+    free_bytes: int,
+    gpu_memory_utilization: float,
+    kv_cache_memory_bytes: int | None = None,
+    headroom_bytes: int = STAGING_HEADROOM_BYTES,
+) -> None:
+    """Refuse a staging buffer that does not fit beside vLLM's memory budget (:class:`ConfigError`
+    naming ``kvlease.staging_max_tokens`` and ``gpu_memory_utilization``).
+
+    The worker allocates the buffer after the KV cache and before CUDA-graph capture. vLLM sized
+    its budget as ``gpu_memory_utilization x total`` (the graph pool and the activation peak
+    included), so the buffer comes out of what is left: it must fit, with
+    :data:`STAGING_HEADROOM_BYTES` to spare, both there and in the memory free right now. With
+    ``kv_cache_memory_bytes`` set vLLM ignores the utilization and leaves the sizing to the user;
+    then only free memory is checked. Device memory only: the caller skips CPU workers.
+    """
+    gib = 1 << 30
+    need = staging_bytes + headroom_bytes
+    outside = total_bytes if kv_cache_memory_bytes else int(total_bytes * (1.0 - gpu_memory_utilization))
+    room = min(outside, free_bytes)
+    if need <= room:
+        return
+    per_token = staging_bytes / max(staging_tokens, 1)
+    fits = max(int((room - headroom_bytes) / per_token), 0) if per_token else 0
+    where = (
+        f"{free_bytes / gib:.1f} GiB free on the device now"
+        if room == free_bytes
+        else f"the {outside / gib:.1f} GiB vLLM leaves outside its budget "
+        f"(1 - gpu_memory_utilization {gpu_memory_utilization:g} of {total_bytes / gib:.1f} GiB)"
+    )
+    hint = f"set kvlease.staging_max_tokens to at most {fits}"
+    if not kv_cache_memory_bytes:
+        util = math.floor((1.0 - need / total_bytes) * 100) / 100
+        if util > 0:
+            hint += f", or {UTILIZATION_KEY} to at most {util:.2f}"
+    raise ConfigError(
+        f"kvlease.staging_max_tokens={staging_tokens} needs a {staging_bytes / gib:.1f} GiB staging "
+        f"buffer per worker, which with the {headroom_bytes / gib:.1f} GiB kvlease keeps spare (CUDA "
+        f"context, NCCL and UCX buffers, fragmentation) does not fit in {where}: {hint} "
+        "(or kvlease.staging 'off')"
+    )
 
 
 def no_secret_warning(cfg: KVLeaseConfig, secret: str | None, kv_role: str | None) -> str | None:

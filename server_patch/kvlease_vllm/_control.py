@@ -1,4 +1,5 @@
-"""The connector's control endpoint: ``GET /info``, ``POST /renew``, ``POST /release``, ``GET /metrics``.
+"""The connector's control endpoint: ``GET /info``, ``POST /renew``, ``POST /release``, ``GET /metrics``,
+and on P ``POST /sendcheck`` (D's post-read check of a P->D send, :mod:`kvlease_vllm._sendcheck`).
 
 ``/info`` is the node's facts plus its lease table now (:class:`~kvlease.protocol.LeaseStatus`:
 leases and blocks per tenant tag, the top few; leases are tagged when D creates them).
@@ -9,7 +10,7 @@ table under a short lock (:class:`LeaseDesk`) and the scheduler thread takes the
 changes when it builds the next step's connector metadata, so the scheduler loop never waits on HTTP.
 
 Auth: ``Authorization: Bearer <secret>`` (compared in constant time). Without a configured secret
-``/info`` and ``/metrics`` stay readable and ``/renew``/``/release`` answer 403.
+``/info`` and ``/metrics`` stay readable and ``/renew``/``/release``/``/sendcheck`` answer 403.
 
 Bounded, whatever the peers do (:class:`_Server`): a fixed pool of worker threads (never a thread per
 connection) serves one request at a time; idle keep-alive connections wait in one selector thread,
@@ -51,9 +52,11 @@ from kvlease.protocol import (
     ProtocolError,
     TenantLeases,
 )
+from kvlease.protocol._control import CONTROL_SEND_CHECK_PATH, SendCheckRequest, SendCheckResponse
 from kvlease_vllm._control_http import Conn, PooledHTTPServer, Writer
 from kvlease_vllm._metrics import CONTENT_TYPE_LATEST, ConnectorMetrics
 from kvlease_vllm._retention import AddResult, RetentionTable
+from kvlease_vllm._sendcheck import SendDesk
 
 logger = logging.getLogger("vllm.kvlease.control")  # under vLLM's handler inside a server
 
@@ -121,6 +124,12 @@ class LeaseDesk:
             self._gauges()
         self.metrics.releases.labels(cause).inc(n)
         return n
+
+    def unclaim(self, ids: tuple[str, ...], claimant: str) -> int:
+        """``claimant`` will not read these leases after all: end its pins (the leases stay)."""
+        with self._lock:
+            now = self.clock()
+            return sum(self._table.unpin(lid, claimant, now) for lid in ids)
 
     # scheduler side
     def add(self, lease_id: str, blocks: int, deadline: float, tenant: str | None = None) -> AddResult:
@@ -236,6 +245,7 @@ class _Handler(BaseHTTPRequestHandler):
             CONTROL_METRICS_PATH: ("GET", self._metrics, False),
             CONTROL_RENEW_PATH: ("POST", self._renew, True),
             CONTROL_RELEASE_PATH: ("POST", self._release, True),
+            CONTROL_SEND_CHECK_PATH: ("POST", self._send_check, True),
         }
         route = routes.get(path)
         try:
@@ -309,8 +319,19 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _release(self, body: object) -> None:
         req = ControlReleaseRequest.from_json(body)
-        released = self.server.desk.release(req.request_ids)
+        desk = self.server.desk
+        released = (
+            desk.release(req.request_ids)
+            if req.claimant is None
+            else desk.unclaim(req.request_ids, req.claimant)
+        )
         self._json(HTTPStatus.OK, ControlReleaseResponse(released).to_json())
+
+    def _send_check(self, body: object) -> None:
+        req = SendCheckRequest.from_json(body)
+        sends = self.server.sends
+        intact = sends.check(req.request_ids) if sends is not None else dict.fromkeys(req.request_ids, False)
+        self._json(HTTPStatus.OK, SendCheckResponse(intact).to_json())
 
     def _error(self, status: HTTPStatus, message: str, headers: dict[str, str] | None = None) -> None:
         self._json(status, ErrorBody.for_status(int(status), message).to_json(), headers)
@@ -363,12 +384,14 @@ class _Server(PooledHTTPServer):
         info: Callable[[], ControlInfo],
         secret: str | None,
         max_ttl: float,
+        sends: SendDesk | None = None,
         **limits: Any,
     ) -> None:
         self.desk = desk
         self.info = info
         self.secret = secret
         self.max_ttl = max_ttl
+        self.sends = sends
         super().__init__(addr, self._serve_one, **limits)
 
     def _serve_one(self, conn: Conn) -> bool:
@@ -391,6 +414,7 @@ class ControlServer:
         workers: int = 8,
         request_timeout: float = 5.0,
         idle_timeout: float = 30.0,
+        sends: SendDesk | None = None,
     ) -> None:
         self._server = _Server(
             (host, port),
@@ -398,6 +422,7 @@ class ControlServer:
             info,
             secret,
             max_ttl,
+            sends,
             workers=workers,
             request_timeout=request_timeout,
             idle_timeout=idle_timeout,
@@ -456,6 +481,13 @@ def claim(
     left = answer.expires_in.get(lease_id)
     deadline = (answer.deadlines or {}).get(lease_id) if left is not None else None
     return ClaimResult(left, deadline)
+
+
+def unclaim(url: str, lease_id: str, secret: str | None, timeout: float, claimant: str) -> bool:
+    """End ``claimant``'s pin of ``lease_id`` on D (P claimed it and will not read it after all);
+    the lease stays retained. Whether D held such a pin; raises like :func:`claim`."""
+    client = ControlClient(url, secret=secret, timeout=timeout)
+    return bool(client.release([lease_id], claimant=claimant).released > 0)
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,9 @@ time is below the predicted recompute time. Both predictions use online estimate
 weighted): the pull's seconds per token from completed pulls, the prefill's tokens per second from
 recomputes (both sides learn). Until the first observation the defaults apply; they come from a NIXL
 READ measured on an H200 (``benchmarks/gpu_nixl_pull.json``): vLLM's worker posts one descriptor per
-(layer, K/V, block), ~3.2 us each, plus the bytes at the coalesced rate (~750 GB/s) and a fixed cost
-(~5 ms).
+(registered region, block), ~3.2 us each, plus the bytes at the coalesced rate (~750 GB/s) and a
+fixed cost (~5 ms). vLLM 0.32 and 0.33 register one region per attention layer (K and V packed,
+:func:`kvlease_vllm._layout.kv_regions`); that measurement had two per layer, each half a page.
 
 A staged pull (``kvlease_vllm._worker``: D gathers, one READ, P scatters) has no per-descriptor
 cost: its default is the bytes at the staged rate measured on the same H200 (6.4 GB in 18.1 ms, the
@@ -24,6 +25,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Final
 
+from kvlease_vllm._layout import kv_regions, transfer_groups
 from kvlease_vllm._verify import Reason
 
 #: Explore only pulls predicted at most this many times slower than recompute.
@@ -66,7 +68,7 @@ class CostModel:
     """Predicts pull and recompute times from observations.
 
     ``bytes_per_token``: KV bytes one token occupies on this node (all layers);
-    ``descriptors_per_token``: NIXL descriptors vLLM posts per token (layers x K/V / block size);
+    ``descriptors_per_token``: NIXL descriptors vLLM posts per token (regions / block size);
     ``per_descriptor_s``: the posting cost of one descriptor.
     """
 
@@ -172,17 +174,31 @@ class CostModel:
 
 # ---- the layout's part of the defaults (duck-typed vLLM KVCacheConfig: no vLLM import) --------
 def descriptors_per_token(kv_cache_config: Any, block_size: int) -> float:
-    """NIXL descriptors vLLM's worker posts per token: one per (layer, K/V, block)."""
-    try:
-        layers = sum(len(g.layer_names) for g in kv_cache_config.kv_cache_groups)
-    except Exception:  # layouts we do not know: a 32-layer model
-        layers = 32
-    return 2.0 * max(layers, 1) / max(block_size, 1)
+    """NIXL descriptors vLLM's worker posts per token: one per (registered region, block)."""
+    return float(kv_regions(kv_cache_config)) / max(block_size, 1)
 
 
 def bytes_per_token(kv_cache_config: Any, block_size: int) -> float:
+    """KV bytes a pulled token moves on this node: each transferable group's page (every layer's K
+    and V) over the tokens one page holds, summed over the groups.
+
+    From the specs, not from ``kv_cache_tensors``: a ``KVCacheTensor``'s ``size`` is the whole
+    backing allocation, repeated on every tensor (one per group and spec), so summing it counts a
+    multi-spec model's memory several times over.
+    """
     try:
-        total = sum(t.size for t in kv_cache_config.kv_cache_tensors)
-        return max(total / max(kv_cache_config.num_blocks, 1) / max(block_size, 1), 1.0)
-    except Exception:  # layouts we do not know: a conservative guess (bytes per token, bf16 7B)
-        return 131072.0
+        total = 0.0
+        for group in transfer_groups(kv_cache_config):
+            spec = group.kv_cache_spec
+            per_layer = getattr(spec, "kv_cache_specs", None)  # vLLM's UniformTypeKVCacheSpecs
+            page = (
+                sum(s.page_size_bytes for s in per_layer.values())
+                if isinstance(per_layer, dict)
+                else spec.page_size_bytes * len(group.layer_names)
+            )
+            total += page / max(int(getattr(spec, "block_size", 0) or block_size), 1)
+        if total > 0:
+            return total
+    except Exception:  # a config we cannot read: the guess below
+        pass
+    return 131072.0  # a conservative guess: bytes per token of a bf16 7B model

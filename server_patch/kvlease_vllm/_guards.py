@@ -11,7 +11,7 @@ Each function returns ``None`` (no objection) or the reason in words, for the de
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kvlease.protocol import LeaseHandleExt, mm_digest
@@ -19,6 +19,7 @@ from kvlease.protocol import LeaseHandleExt, mm_digest
 __all__ = [
     "context_parallel_reason",
     "control_port",
+    "group_windows",
     "hybrid_partial_reason",
     "lora_tag",
     "request_mm_digest",
@@ -68,17 +69,80 @@ def uncovered_inputs(
     return None
 
 
-def hybrid_partial_reason(*, groups: int, hybrid: bool, verified: int, remote_tokens: int) -> str | None:
-    """Several KV cache groups (sliding window, Mamba): pull only D's whole sequence.
+#: Kinds of KV cache group (vLLM's ``KVCacheSpec`` class names) whose block list a verified prefix
+#: can be cut from: full attention names every block; a sliding window keeps its last blocks.
+_FULL_SPECS = frozenset({"FullAttentionSpec", "MLAAttentionSpec"})
+_WINDOW_SPECS = frozenset({"SlidingWindowSpec", "SlidingWindowMLASpec"})
 
-    Upstream hands out only the tail of a sliding-window group's block list, so a prefix shorter than
-    D's sequence would give those layers KV of the wrong positions.
+
+def group_windows(specs: Iterable[Any], block_size: int) -> tuple[int | None, ...]:
+    """Per KV cache group (vLLM's ``kv_cache_spec`` of each transfer group): ``0`` for full
+    attention, the tokens a sliding-window group keeps below the next token
+    (``sliding_window + extra_retained_tokens``), ``None`` for any other kind (Mamba state, chunked
+    local or ring attention), whose blocks hold no per-position KV a prefix can be cut from, and for
+    a group whose blocks are not ``block_size`` tokens (kvlease hashes and trims by that size)."""
+    out: list[int | None] = []
+    for spec in specs:
+        kind = type(spec).__name__
+        if getattr(spec, "block_size", block_size) != block_size:
+            out.append(None)
+        elif kind in _FULL_SPECS:
+            out.append(0)
+        elif kind in _WINDOW_SPECS:
+            out.append(int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0) or 0))
+        else:
+            out.append(None)
+    return tuple(out)
+
+
+def _first_window_block(tokens: int, window: int, block_size: int) -> int:
+    """The first block a sliding-window group holds after ``tokens`` computed tokens: vLLM skips the
+    ``tokens - window + 1`` tokens before the next token's window and nulls every block they fill."""
+    return max(0, tokens - window + 1) // block_size
+
+
+def hybrid_partial_reason(
+    *,
+    windows: Sequence[int | None],
+    hybrid: bool,
+    verified: int,
+    remote_tokens: int,
+    block_size: int,
+    named: Sequence[int],
+) -> str | None:
+    """Several KV cache groups (sliding window, Mamba): why P cannot pull ``verified`` of D's
+    ``remote_tokens`` tokens, or None.
+
+    ``windows``: :func:`group_windows` of P's transfer groups; ``named``: the blocks D's handle names
+    per group. Upstream hands out only the tail of a sliding-window group's blocks (the last
+    ``cdiv(sliding_window, block_size) + 1``, of which those wholly before D's window are null), and
+    P reads into its own blocks from the end of each list. A prefix ending before D's end is
+    therefore pullable only when D still holds every block of the window before the prefix's end
+    (:func:`kvlease_vllm._verify.trim_params` cuts each list at that end); a group of any other kind
+    holds state for D's whole sequence only. D's whole sequence is always pullable.
     """
-    if (groups > 1 or hybrid) and verified < remote_tokens:
+    if not (len(windows) > 1 or hybrid) or verified >= remote_tokens:
+        return None
+    head = f"hybrid KV cache ({len(windows)} KV cache groups): only {verified} of D's {remote_tokens} tokens verified"
+    if any(w is None for w in windows):
         return (
-            f"hybrid KV cache ({groups} KV cache groups): only {verified} of D's {remote_tokens} tokens "
-            "verified, and a partial prefix cannot be pulled per group"
+            f"{head}, and a group without per-position KV of this block size (e.g. Mamba state) "
+            "holds D's whole sequence only"
         )
+    bs = block_size
+    end, d_end = -(-verified // bs), -(-remote_tokens // bs)
+    for window, n in zip(windows, named):
+        if not window:
+            continue
+        need = _first_window_block(verified, window, bs)
+        held = max(d_end - n, _first_window_block(remote_tokens, window, bs))
+        if need < held:
+            return (
+                f"{head}; its sliding-window layers ({window} tokens) need the KV of blocks {need}..{end - 1}, "
+                f"and D holds only blocks {held}..{d_end - 1} of that group (vLLM frees a sliding-window "
+                "group's blocks behind its window and hands out only its last cdiv(window, block_size) + 1, "
+                "so a shorter prefix pulls only when it ends in D's last blocks)"
+            )
     return None
 
 

@@ -1,7 +1,8 @@
 """The shape of a pull, and which UCX transport a READ will take (sans-IO, observability only).
 
 vLLM's NIXL worker posts one descriptor per (registered KV region, block): at 24k tokens of a
-64-layer model that is 196,608 descriptors, each costing ~3 µs to post (measured on an H200; see
+64-layer model that is 98,304 descriptors (one region per layer, K and V packed), each costing a
+few µs to post (~3 µs measured on an H200 for half-page descriptors; see
 ``benchmarks/gpu_nixl_pull.json``). NIXL merges descriptors whose addresses are adjacent on both
 sides, so what a pull costs depends on how many contiguous runs of block ids P's and D's lists
 hold. :func:`pull_shape` counts them; :func:`transport_advice` says, from the configuration alone,
@@ -13,9 +14,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
-__all__ = ["PullShape", "contiguous_runs", "kv_regions", "pull_shape", "transport_advice"]
+__all__ = [
+    "PullShape",
+    "contiguous_runs",
+    "kv_regions",
+    "pull_shape",
+    "transfer_groups",
+    "transport_advice",
+]
 
 
 def contiguous_runs(ids: Sequence[int]) -> int:
@@ -48,8 +56,8 @@ def pull_shape(
 
     Upstream's worker pairs each group's lists from the end (D's list may also cover P's locally
     cached prefix), so only the last ``min(len(local), len(remote))`` ids of each side are read.
-    ``regions``: the registered KV tensors of the model (layers x (K, V)), shared evenly by the
-    groups. Runs are summed over the groups.
+    ``regions``: the registered KV regions of the model (:func:`kv_regions`), shared evenly by
+    the groups. Runs are summed over the groups.
     """
     groups = max(len(local_ids), len(remote_ids), 1)
     per_group = max(regions // groups, 1) if regions > 0 else 0
@@ -64,13 +72,48 @@ def pull_shape(
     return PullShape(descriptors, local_runs, remote_runs)
 
 
+#: vLLM's ``KVCacheLayout`` names (``[L, B, H, N, C]`` in memory order; the same in 0.32 and 0.33)
+#: where every layer's page is one run per block: one region per layer.
+LAYER_REGION_LAYOUTS: Final = frozenset({"LBHNC", "LBNHC", "BLHNC"})
+#: Block-outermost layouts whose layer pages are not contiguous: upstream registers each block's
+#: whole row once, de-duplicated by address across layers and groups, so one region in all.
+WHOLE_ROW_LAYOUTS: Final = frozenset({"BLNHC", "BHLNC"})
+#: Head-major per layer: upstream registers one region per KV head (a segment of the layer's view).
+HEAD_SEGMENTED_LAYOUTS: Final = frozenset({"LHBNC"})
+_UNKNOWN_LAYERS: Final = 32  # layouts we cannot read: a 32-layer model
+
+
+def transfer_groups(kv_cache_config: Any) -> list[Any]:
+    """The KV cache groups a pull moves (vLLM's ``enable_kv_transfer``; every group before it)."""
+    return [g for g in kv_cache_config.kv_cache_groups if getattr(g, "enable_kv_transfer", True)]
+
+
 def kv_regions(kv_cache_config: Any) -> int:
-    """Registered KV tensors of the model, as vLLM's worker splits them: layers x (K, V)."""
+    """NIXL regions vLLM's worker registers for this KV cache, as its ``register_kv_caches`` does.
+
+    vLLM 0.32 and 0.33 pack K and V into the content dim of one page, so an attention layer whose
+    pages lie one per block (``LBHNC``, which vLLM's NIXL connector asks for, ``LBNHC``,
+    ``BLHNC``) is ONE region whose block is the whole page; a head-major layout (``LHBNC``) is one
+    region per KV head of the layer; a block-outermost layout without contiguous pages is one
+    whole-row region in all. The layout is the one vLLM's engine core resolved
+    (``kv_cache_config.kv_cache_layout``); unknown or unset counts as one region per layer.
+    """
     try:
-        layers = sum(len(g.layer_names) for g in kv_cache_config.kv_cache_groups)
-    except Exception:  # layouts we do not know: a 32-layer model (as _cost.descriptors_per_token)
-        layers = 32
-    return 2 * max(layers, 1)
+        groups = transfer_groups(kv_cache_config)
+        layers = sum(len(g.layer_names) for g in groups)
+    except Exception:  # a config we cannot read: a 32-layer model (as _cost.bytes_per_token)
+        return _UNKNOWN_LAYERS
+    layout = str(getattr(kv_cache_config, "kv_cache_layout", None) or "").upper()
+    if layout in WHOLE_ROW_LAYOUTS:
+        return 1
+    if layout in HEAD_SEGMENTED_LAYOUTS:
+        return max(sum(len(g.layer_names) * _kv_heads(g.kv_cache_spec) for g in groups), 1)
+    return max(layers, 1)
+
+
+def _kv_heads(spec: Any) -> int:
+    heads = getattr(spec, "num_kv_heads", None)
+    return heads if isinstance(heads, int) and heads > 0 else 1
 
 
 _ON = frozenset({"on", "yes", "y", "1"})  # UCX's spellings of a true boolean

@@ -181,6 +181,15 @@ class RetentionTable:
         self._updates[lease_id] = now
         return True
 
+    def unpin(self, lease_id: str, claimant: str, now: float) -> bool:
+        """``claimant`` will not read the lease after all: its pin ends now (the lease stays, a
+        deferred release then goes ahead at the next :meth:`sweep`); False if it holds no pin."""
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.claimant != claimant or not lease.pinned(now):
+            return False
+        lease.pinned_until, lease.claimant = -math.inf, None
+        return True
+
     def forget(self, lease_id: str) -> bool:
         """The workers freed the blocks (read by a prefill node, expired or released)."""
         self._updates.pop(lease_id, None)

@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
+from kvlease._errors import ConfigError
 from kvlease.protocol import ProtocolError
 from kvlease.protocol._staging import (
     StagingRefusal,
@@ -49,6 +50,23 @@ ALIGN: Final = 4096
 #: worker's staging port to its scheduler; both are dropped before upstream reads the object.
 PLANS_ATTR: Final = "kvlease_staging"
 PORT_ATTR: Final = "kvlease_staging_port"
+#: The attribute of the handshake payload that carries where the worker's listener runs:
+#: ``(bind host, node name)``.
+WHERE_ATTR: Final = "kvlease_staging_where"
+#: P's READ of a staged range: at least this long, and this rate at worst (UCX's TCP emulation
+#: moves ~0.4 GB/s), past the time D may take to answer; D refuses deadlines beyond the cap.
+READ_MIN_S: Final = 10.0
+READ_FLOOR_BPS: Final = 2e8
+READ_DEADLINE_MAX_S: Final = 600.0
+#: D's hold of a range beyond P's READ deadline: clock-rate drift between hosts (far below 0.1 %)
+#: and a fixed margin.
+HOLD_DRIFT: Final = 1e-3
+HOLD_MARGIN_S: Final = 2.0
+#: :func:`read_verdict`'s answers.
+WAIT: Final = "wait"
+SCATTER: Final = "scatter"
+LATE: Final = "late"
+FAILED: Final = "failed"
 
 
 def joint_runs(local: Sequence[int], remote: Sequence[int]) -> int:
@@ -180,30 +198,93 @@ def plan_pull(
     )
 
 
-def take_ports(metadata: Mapping[tuple[int, int], Any]) -> tuple[tuple[int, ...] | None, dict[Any, Any]]:
+def read_deadline_s(timeout_s: float, nbytes: int) -> float:
+    """P: how long after sending a staging request its READ of the staged bytes may end and still
+    be used: D's answer (``timeout_s``) plus the READ at :data:`READ_FLOOR_BPS`, at least
+    :data:`READ_MIN_S`. Past it P declines the pull (:func:`read_verdict`)."""
+    return timeout_s + max(READ_MIN_S, nbytes / READ_FLOOR_BPS)
+
+
+def range_hold_s(deadline_s: float) -> float:
+    """D: how long it keeps a staged range that P has not released, for P's READ deadline
+    ``deadline_s``: strictly longer, so D never hands a range out again while P may still use a
+    READ of it (D allocates after P sent the request, so D's hold also starts later)."""
+    return deadline_s * (1.0 + HOLD_DRIFT) + HOLD_MARGIN_S
+
+
+def read_verdict(state: str, now: float, read_by: float) -> str:
+    """P: what to do with a posted READ of a staged range, in NIXL transfer ``state`` read *before*
+    ``now`` (so a READ seen ``DONE`` ended by ``now``) and P's deadline ``read_by``.
+
+    :data:`WAIT` (still running, in time), :data:`SCATTER` (done in time: D still held the range),
+    :data:`LATE` (past the deadline, done or not: D may have handed the range out again, so the
+    bytes cannot be trusted) or :data:`FAILED` (the READ ended in error)."""
+    if state == "PROC":
+        return WAIT if now < read_by else LATE
+    if state == "DONE":
+        return SCATTER if now <= read_by else LATE
+    return FAILED
+
+
+def staging_port(port: int, data_parallel_index: int, tp_size: int, tp_rank: int) -> int:
+    """The staging listener's port of one worker: every data-parallel rank takes the next
+    ``tp_size`` ports after the one before it (the control port's rule, per TP rank); 0 stays 0
+    (any free port)."""
+    return port + data_parallel_index * tp_size + tp_rank if port else 0
+
+
+def take_ports(
+    metadata: Mapping[tuple[int, int], Any], host: str | None = None, node: str | None = None
+) -> tuple[tuple[int, ...] | None, dict[Any, Any]]:
     """D's scheduler: the staging port of every TP rank, off the workers' handshake payloads, and
     the payloads without it (copies: upstream serves exactly its own fields). The ports are None
-    unless every rank of a single pipeline stage has one."""
+    unless every rank of a single pipeline stage has one, and every rank's listener runs where P
+    will connect: P reaches all of them at ``host`` (the scheduler's side-channel host), so a rank
+    on another node (``node``: this host's name) or bound elsewhere is not advertised."""
+    node = socket.gethostname() if node is None else node
     ports: dict[int, int] = {}
+    where: dict[int, Any] = {}
     clean: dict[Any, Any] = {}
     for key, payload in metadata.items():
         port = getattr(payload, PORT_ATTR, None)
         if isinstance(port, int) and port > 0:
             ports[key[1]] = port
+            where[key[1]] = getattr(payload, WHERE_ATTR, None)
             try:
-                payload = dataclasses.replace(payload)  # drops the attribute
+                payload = dataclasses.replace(payload)  # drops the attributes
             except TypeError:
-                delattr(payload, PORT_ATTR)
+                for attr in (PORT_ATTR, WHERE_ATTR):
+                    if hasattr(payload, attr):
+                        delattr(payload, attr)
         clean[key] = payload
     stages = {key[0] for key in metadata}
     if not ports or stages != {0} or sorted(ports) != list(range(len(metadata))):
+        return None, clean
+    away = {
+        r: w
+        for r, w in sorted(where.items())
+        if not (isinstance(w, tuple) and len(w) == 2 and (host is None or w[0] == host) and w[1] == node)
+    }
+    if away:
+        logger.info(
+            "kvlease: staged pulls not advertised: P reaches every rank's listener at %s on %s, but "
+            "rank(s) %s listen at %s",
+            host,
+            node,
+            ", ".join(map(str, away)),
+            ", ".join(
+                f"{w[0]} on {w[1]}" if isinstance(w, tuple) and len(w) == 2 else "?" for w in away.values()
+            ),
+        )
         return None, clean
     return tuple(ports[r] for r in range(len(ports))), clean
 
 
 class RangeAllocator:
-    """First-fit ranges of a staging buffer of ``capacity`` bytes; a range not freed within its hold
-    time is reclaimed (a P that vanished must not keep D's buffer)."""
+    """First-fit ranges of a staging buffer of ``capacity`` bytes. A range is handed out again only
+    once freed or past its hold time (``math.inf``: only once freed); D holds a staged range for
+    :func:`range_hold_s` of P's READ deadline, so a P that vanished does not keep D's buffer and a
+    P still reading it has declined the bytes before they can change."""
 
     def __init__(self, capacity: int, align: int = ALIGN) -> None:
         self.capacity = int(capacity)
@@ -275,6 +356,30 @@ def ask(host: str, port: int, request: StagingRequest, timeout_s: float) -> Stag
         sock.settimeout(timeout_s)
         sock.sendall(request.to_bytes())
         return StagingReply.from_json(recv_message(sock))
+
+
+def listen(
+    host: str,
+    port: int,
+    handle: Callable[[StagingRequest], StagingReply],
+    *,
+    token: str,
+    data_parallel_index: int,
+    tp_rank: int,
+) -> StagingServer:
+    """D's worker: its started :class:`StagingServer` on ``port`` (:func:`staging_port`'s), or a
+    :class:`~kvlease.ConfigError` naming ``kvlease.staging_port`` when it cannot listen there."""
+    try:
+        server = StagingServer(host, port, handle, token=token)
+    except OSError as e:
+        raise ConfigError(
+            f"kvlease.staging_port: the staging listener of data-parallel rank {data_parallel_index}, "
+            f"TP rank {tp_rank} cannot listen on {host}:{port} ({e}). Each engine takes "
+            "tensor_parallel_size ports from kvlease.staging_port + data-parallel index x "
+            "tensor_parallel_size; give servers on one host ranges that do not overlap, or 0 for "
+            "free ports"
+        ) from e
+    return server.start()
 
 
 class StagingServer:

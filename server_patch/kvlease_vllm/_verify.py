@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -66,6 +66,11 @@ class Reason(str, enum.Enum):
     CONTEXT_PARALLEL = "context_parallel"  # decode/prefill context parallel > 1: not supported yet
     HYBRID_PARTIAL = "hybrid_partial"  # several KV cache groups and only part of D's sequence verified
     UNCOVERED = "uncovered_inputs"  # LoRA / multimodal / prompt embeddings the handle does not prove
+    #: vLLM's scheduler kept none of the offered tokens: prompt logprobs (the request skips every
+    #: prefix cache), or its own caps after the decision (a local sub-block tail, a connector's cap)
+    SCHEDULER_DROPPED = "scheduler_dropped"
+    #: the read P's allocation implies does not lie within the verified prefix (never pulled)
+    SPAN = "span_mismatch"
 
 
 _REUSE_STATUS = {
@@ -219,8 +224,8 @@ def verified_tokens(
         raise HandleRejected(Reason.BLOCK_SIZE, f"D's block size {bs} != P's {local_block_size}")
     n_prompt = len(prompt_token_ids)
     # Full-attention groups name every block; the sliding-window (or Mamba) groups of a hybrid KV
-    # cache name only their in-window tail, so the longest list bounds what D holds. A hybrid
-    # handle is pulled only whole (``_guards.hybrid_partial_reason``), where the tails line up.
+    # cache name only their in-window tail, so the longest list bounds what D holds. Which prefixes
+    # of a hybrid handle can be pulled is ``_guards.hybrid_partial_reason``'s call.
     named = max((len(g) for g in handle.block_ids), default=0)
     ext = handle.ext
     limit = min((n_prompt - 1) // bs if n_prompt else 0, len(ext.hashes), handle.num_tokens // bs, named)
@@ -244,6 +249,11 @@ def verified_tokens(
 def trim_params(handle: RemoteHandle, tokens: int, *, deadline: float | None = None) -> TransferParams:
     """A new handle: ``handle`` cut to its first ``tokens`` verified tokens (vLLM's dict untouched).
 
+    Every group's list ends at D's last block (the longest names every block from the first; a
+    sliding-window group names only its tail), so each is cut by the same number of blocks from its
+    end: upstream pairs P's blocks with the end of each list, and a sliding-window group then hands
+    P the KV of the window before ``tokens`` (``_guards.hybrid_partial_reason`` checks D holds it).
+
     ``deadline``: D's absolute deadline after P's claim, for upstream's expired-read guard (None:
     the deadline D issued stays).
     """
@@ -260,7 +270,12 @@ def trim_params(handle: RemoteHandle, tokens: int, *, deadline: float | None = N
             num_tokens=handle.num_tokens,
             kvlease=handle.ext,
         )
-    return params.trimmed(tokens, handle.ext.block_size, deadline=deadline)
+    out = params.trimmed(tokens, handle.ext.block_size, deadline=deadline)
+    groups = handle.block_ids
+    cut = max((len(g) for g in groups), default=0) - -(-tokens // handle.ext.block_size)
+    if cut <= 0:
+        return out
+    return replace(out, block_ids=tuple(g[: max(len(g) - cut, 0)] for g in groups))
 
 
 def strip_remote(params: Mapping[str, Any]) -> dict[str, Any]:

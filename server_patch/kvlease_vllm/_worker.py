@@ -4,7 +4,8 @@ D side: the staging buffer is registered with upstream's own NIXL agent *before*
 the KV cache, so the agent metadata P loads at upstream's handshake already covers it (no second
 agent, no second handshake). A :class:`~kvlease_vllm._staging.StagingServer` thread answers P's
 requests while D's engine loop sleeps: it checks the lease is live in upstream's send bookkeeping,
-gathers the blocks (read-only; on a GPU on its own stream, synchronised before the answer),
+gathers the blocks (read-only; on a GPU on its own stream, after the engine's mark recorded on the
+compute stream once the lease reached the worker, and synchronised before the answer),
 checks the lease is still live (so nothing freed the blocks during the gather), and answers where
 the bytes lie. Its port reaches D's scheduler on upstream's handshake payload (an attribute the
 scheduler drops before upstream serves the payload) and P through the handle (``kvlease.staging``).
@@ -17,12 +18,22 @@ upstream's own notification does), releases D's range and hands the request to u
 bookkeeping as a finished receive. Before the READ is posted anything that goes wrong falls back
 to upstream's per-block path; after it, upstream's failure path runs (the request recomputes).
 
+The READ has a deadline, sent with the request (``_staging.read_deadline_s``): D keeps the range
+strictly longer unless P releases it, so it never gathers another request over bytes P may still
+use; P uses the bytes only if it saw the READ done by the deadline, and otherwise recomputes. The
+READ lands in P's staging buffer, never in the request's blocks, so those are given back at once;
+a READ still posted keeps its handle and P's range until NIXL reports it ended (a release while it
+runs need not stop the DMA).
+
 Overridden (signatures pinned against vLLM 0.32 and 0.33): ``__init__``, ``register_kv_caches``,
-``start_load_kv``, ``_read_blocks_for_req``, ``get_transfer_results``, ``shutdown``.
+``start_load_kv``, ``_read_blocks_for_req``, ``get_transfer_results``, ``shutdown`` and
+``_engines_with_inflight_transfers`` (a staged pull's READ is not in upstream's
+``_recving_transfers`` until it is done, and upstream must not remove D's agent under it).
 """
 
 from __future__ import annotations
 
+import socket
 import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -40,7 +51,8 @@ from kvlease.protocol._staging import (
 )
 from kvlease_vllm import _staging
 from kvlease_vllm._compat import NixlPullConnectorWorker, init_logger, vllm_envs
-from kvlease_vllm._config import KVLeaseConfig
+from kvlease_vllm._config import ConfigError, KVLeaseConfig, check_staging_memory
+from kvlease_vllm._stagecopy import StagingCopier, kv_tensors, region_views
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -68,11 +80,21 @@ class _Staged:
     slot: int  # P's staging range
     offset: int
     nbytes: int
+    read_by: float  # P uses the READ only if it is seen done by then (D holds its range longer)
     stage: str = _ASK
     reply: StagingReply | None = None
     handle: Any = None
     event: Any = None
     t0: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class _Abandoned:
+    """P side: a READ given up on while posted; its handle and P's range are kept until it ends."""
+
+    rid: str
+    engine_id: str
+    slot: int
 
 
 class KVLeaseWorker(NixlPullConnectorWorker):  # type: ignore[misc]
@@ -88,9 +110,15 @@ class KVLeaseWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         self._kvl_alloc: _staging.RangeAllocator | None = None
         self._kvl_views: list[torch.Tensor] = []
         self._kvl_region_bytes: tuple[int, ...] = ()
+        self._kvl_copier: StagingCopier | None = None
         self._kvl_server: _staging.StagingServer | None = None
         self._kvl_plans: dict[str, tuple[int, ...]] = {}
         self._kvl_pulls: dict[str, _Staged] = {}
+        self._kvl_abandoned: dict[Any, _Abandoned] = {}  # NIXL handle -> what it holds
+        #: D: the engine's marks (CUDA events on the compute stream, :meth:`StagingCopier.mark`)
+        #: by lease, recorded when the lease reached this worker, and the latest step's.
+        self._kvl_marks: dict[str, Any] = {}
+        self._kvl_last_mark: Any = None
         self._kvl_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvlease-stage")
         self._kvl_stream: Any = None
         self._kvl_dev = 0
@@ -116,10 +144,12 @@ class KVLeaseWorker(NixlPullConnectorWorker):  # type: ignore[misc]
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         why = self._kvl_unsupported()
-        tensors = _tensors(kv_caches)
+        tensors = kv_tensors(kv_caches)
         if why is None and tensors:
             try:
                 self._kvl_allocate(tensors)
+            except ConfigError:  # a buffer that does not fit beside vLLM's budget: refused at start
+                raise
             except Exception as e:  # never let staging stop the server: upstream's path remains
                 why = f"no staging buffer ({type(e).__name__}: {e})"
                 self._kvl_buffer = None
@@ -134,14 +164,21 @@ class KVLeaseWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         assert self._kvl_buffer is not None
         self._kvl_alloc = _staging.RangeAllocator(self._kvl_buffer.numel())
         if self.kv_transfer_config.kv_role in ("kv_consumer", "kv_both"):
-            port = self.kvl_cfg.staging_port + self.tp_rank if self.kvl_cfg.staging_port else 0
+            dp = int(self.vllm_config.parallel_config.data_parallel_index or 0)
+            port = _staging.staging_port(self.kvl_cfg.staging_port, dp, self.world_size, self.tp_rank)
             host = vllm_envs.VLLM_NIXL_SIDE_CHANNEL_HOST
             assert self._kvl_token is not None
-            self._kvl_server = _staging.StagingServer(
-                host, port, self._kvl_serve, token=self._kvl_token
-            ).start()
+            self._kvl_server = _staging.listen(
+                host,
+                port,
+                self._kvl_serve,
+                token=self._kvl_token,
+                data_parallel_index=dp,
+                tp_rank=self.tp_rank,
+            )
             if self.xfer_handshake_metadata is not None:
                 setattr(self.xfer_handshake_metadata, _staging.PORT_ATTR, self._kvl_server.port)
+                setattr(self.xfer_handshake_metadata, _staging.WHERE_ATTR, (host, socket.gethostname()))
         logger.info(
             "kvlease: staged pulls %s: %.1f MiB staging buffer (%d tokens), %d KV regions%s",
             self.kvl_cfg.staging,
@@ -156,6 +193,17 @@ class KVLeaseWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         per_token = sum(storages.values()) / max(self.num_blocks, 1) / max(self.block_size, 1)
         nbytes = -(-int(per_token * self.kvl_cfg.staging_max_tokens) // _staging.ALIGN) * _staging.ALIGN
         device = tensors[0].device
+        if device.type == "cuda":  # the buffer lives outside vLLM's memory budget
+            free, total = torch.cuda.mem_get_info(device)
+            cache = self.vllm_config.cache_config
+            check_staging_memory(
+                staging_bytes=nbytes,
+                staging_tokens=self.kvl_cfg.staging_max_tokens,
+                total_bytes=total,
+                free_bytes=free,
+                gpu_memory_utilization=cache.gpu_memory_utilization,
+                kv_cache_memory_bytes=cache.kv_cache_memory_bytes,
+            )
         self._kvl_buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         self._kvl_dev = int(device.index or 0) if device.type == "cuda" else 0
         if device.type == "cuda":
@@ -170,20 +218,13 @@ class KVLeaseWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         bases = self.kv_caches_base_addr[self.engine_id][self.tp_rank]
         lens, strides = self.block_len_per_layer, self.block_stride_per_layer
         counts = self.region_num_blocks or [self.num_blocks] * len(bases)
-        if not bases or not len(bases) == len(lens) == len(strides) == len(counts):
-            return "KV region geometry not understood"
-        flats = {}
-        for t in tensors:
-            s = t.untyped_storage()
-            if s.data_ptr() not in flats:
-                flats[s.data_ptr()] = (s.nbytes(), torch.empty(0, dtype=torch.uint8, device=t.device).set_(s))
-        views = []
-        for base, length, stride, count in zip(bases, lens, strides, counts):
-            owner = next(((p, n, f) for p, (n, f) in flats.items() if p <= base < p + n), None)
-            if owner is None or length > stride or base - owner[0] + (count - 1) * stride + length > owner[1]:
-                return "a KV region lies outside the registered tensors"
-            views.append(owner[2].as_strided((count, length), (stride, 1), base - owner[0]))
-        self._kvl_views, self._kvl_region_bytes = views, tuple(int(n) for n in lens)
+        got = region_views(tensors, bases, lens, strides, counts)
+        if isinstance(got, str):
+            return got
+        views, self._kvl_region_bytes = got
+        self._kvl_views = views
+        assert self._kvl_buffer is not None
+        self._kvl_copier = StagingCopier(self._kvl_buffer, views, self._kvl_region_bytes, self._kvl_stream)
         return None
 
     # ------------------------------------------------------------------ D side
@@ -191,12 +232,31 @@ class KVLeaseWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         # upstream's send bookkeeping: set until D is notified of the read or the lease expires
         return lease_id in self._reqs_to_send or lease_id in self._reqs_to_process
 
+    def _kvl_mark(self, lease_ids: Any, *, prune: bool = False) -> None:
+        """The engine thread, after this step's work was queued: its mark, for the gathers."""
+        if self._kvl_server is None or self._kvl_copier is None or self._kvl_copier.stream is None:
+            return
+        mark = self._kvl_copier.mark()
+        for rid in lease_ids:
+            self._kvl_marks[rid] = mark
+        self._kvl_last_mark = mark
+        if prune:  # once a step: forget the marks of leases that ended
+            for rid in [r for r in self._kvl_marks if not self._kvl_live(r)]:
+                del self._kvl_marks[rid]
+
     def _kvl_serve(self, msg: StagingRequest) -> StagingReply:
         """The staging thread: one request, answered (never raises into the listener)."""
-        assert self._kvl_alloc is not None and self._kvl_buffer is not None
+        assert self._kvl_alloc is not None and self._kvl_buffer is not None and self._kvl_copier is not None
         if msg.op == STAGING_OP_RELEASE:
             self._kvl_alloc.free(msg.slot)
             return StagingReply(True, slot=msg.slot)
+        if not 0 < msg.read_deadline_ms <= _staging.READ_DEADLINE_MAX_S * 1e3:
+            detail = (
+                "no READ deadline (an older kvlease P)"
+                if not msg.read_deadline_ms
+                else "READ deadline too long"
+            )
+            return StagingReply(False, refusal=StagingRefusal.BAD_REQUEST, detail=detail)
         if not self._kvl_live(msg.lease_id):
             return StagingReply(False, refusal=StagingRefusal.UNKNOWN_LEASE, detail="no such lease")
         if msg.region_bytes != self._kvl_region_bytes:
@@ -207,13 +267,16 @@ class KVLeaseWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             return StagingReply(False, refusal=StagingRefusal.TOO_LARGE, detail=f"{nbytes} bytes")
         if max(msg.block_ids) >= min(v.shape[0] for v in self._kvl_views):
             return StagingReply(False, refusal=StagingRefusal.BAD_REQUEST, detail="block id out of range")
-        hold = max(10.0, 5 * self.kvl_cfg.staging_timeout_s)
+        hold = _staging.range_hold_s(msg.read_deadline_ms / 1e3)  # longer than P may use the bytes
         got = self._kvl_alloc.alloc(nbytes, now=time.perf_counter(), hold_s=hold)
         if got is None:
             return StagingReply(False, refusal=StagingRefusal.BUSY, detail="staging buffer full")
         slot, offset = got
+        # after the lease's last KV writes: the engine's mark when the lease reached this worker,
+        # else its latest (a lease whose finish has not reached it yet was written before that)
+        after = self._kvl_marks.get(msg.lease_id, self._kvl_last_mark)
         try:
-            self._kvl_copy(list(msg.block_ids), offset, gather=True)
+            self._kvl_copier.gather(msg.block_ids, offset, after=after)
         except Exception:
             self._kvl_alloc.free(slot)
             raise
@@ -223,43 +286,17 @@ class KVLeaseWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         address = self._kvl_buffer.data_ptr() + offset
         return StagingReply(True, slot=slot, address=address, nbytes=nbytes, device_id=self._kvl_dev)
 
-    def _kvl_copy(self, block_ids: list[int], offset: int, *, gather: bool) -> Any:
-        """Gather the blocks into (D) or scatter them out of (P) the buffer at ``offset``, region
-        by region; on a GPU on the staging stream: D synchronises, P gets an event to poll."""
-        assert self._kvl_buffer is not None
-        idx = torch.as_tensor(block_ids, dtype=torch.int64, device=self._kvl_buffer.device)
-        n = len(block_ids)
-        stream = self._kvl_stream  # leased blocks are written by nothing: no wait on the compute stream
-        if stream is not None:
-            idx.record_stream(stream)  # the allocator must not hand idx out before the stream is done
-        device = torch.cuda.device(self._kvl_buffer.device) if stream is not None else _nullcontext()
-        with device, torch.cuda.stream(stream) if stream is not None else _nullcontext():
-            pos = offset
-            for view, length in zip(self._kvl_views, self._kvl_region_bytes):
-                part = self._kvl_buffer[pos : pos + n * length].view(n, length)
-                if gather:
-                    torch.index_select(view, 0, idx, out=part)
-                else:
-                    view.index_copy_(0, idx, part)
-                pos += n * length
-        if stream is None:
-            return None
-        if gather:
-            stream.synchronize()
-            return None
-        event = torch.cuda.Event()
-        event.record(stream)
-        return event
-
     # ------------------------------------------------------------------ P side
     def start_load_kv(self, metadata: Any) -> None:
         plans = getattr(metadata, _staging.PLANS_ATTR, None)
         if plans:
             self._kvl_plans.update(plans)
         super().start_load_kv(metadata)
+        self._kvl_mark(getattr(metadata, "reqs_to_send", None) or ())
         self._kvl_advance()
 
     def get_transfer_results(self) -> Any:
+        self._kvl_mark((), prune=True)  # called after the step's forward was queued
         self._kvl_advance()
         results = super().get_transfer_results()
         for rid in [r for r in self._kvl_plans if r not in self._recving_metadata]:
@@ -330,34 +367,49 @@ class KVLeaseWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             prefill_physical_per_logical=1,
         )
         nbytes = len(local) * sum(self._kvl_region_bytes)
-        got = self._kvl_alloc.alloc(nbytes, now=time.perf_counter(), hold_s=3600.0)
+        timeout = self.kvl_cfg.staging_timeout_s
+        read_s = _staging.read_deadline_s(timeout, nbytes)
+        if read_s > _staging.READ_DEADLINE_MAX_S:
+            return None, f"{nbytes} bytes may take longer than D holds a staged range"
+        got = self._kvl_alloc.alloc(nbytes, now=time.perf_counter(), hold_s=float("inf"))
         if got is None:
             return None, f"{nbytes} bytes do not fit P's free staging buffer"
-        request = StagingRequest(
+        msg = StagingRequest(
             STAGING_OP_STAGE,
             meta.remote.request_id,
             tuple(int(b) for b in remote_ids),
             self._kvl_region_bytes,
             auth=self._kvl_token or "",
+            read_deadline_ms=int(read_s * 1e3),
         )
-        host, port, timeout = meta.remote.host, ports[rank], self.kvl_cfg.staging_timeout_s
+        host, port = meta.remote.host, ports[rank]
+        agent = self._remote_agents[engine_id][(0, rank)]
+        notif = f"{meta.remote.request_id}:{plan.local_consumers}".encode()
+        asked = time.perf_counter()  # before the request is sent, so before D holds the range
+        try:
+            future = self._kvl_pool.submit(_staging.ask, host, port, msg, timeout)
+        except Exception:  # nothing was sent: P's range is free again
+            self._kvl_alloc.free(got[0])
+            raise
         staged = _Staged(
             meta=meta,
-            future=self._kvl_pool.submit(_staging.ask, host, port, request, timeout),
-            deadline=time.perf_counter() + timeout,
+            future=future,
+            deadline=asked + timeout,
             host=host,
             port=port,
-            agent=self._remote_agents[engine_id][(0, rank)],
-            notif=f"{meta.remote.request_id}:{plan.local_consumers}".encode(),
+            agent=agent,
+            notif=notif,
             local_ids=[int(b) for b in local],
             slot=got[0],
             offset=got[1],
             nbytes=nbytes,
+            read_by=asked + msg.read_deadline_ms / 1e3,
         )
         return staged, ""
 
     def _kvl_advance(self) -> None:
         """Move every staged pull on, without blocking: answer -> READ -> scatter -> done."""
+        self._kvl_reap()
         now = time.perf_counter()
         for rid, st in list(self._kvl_pulls.items()):
             try:
@@ -407,13 +459,17 @@ class KVLeaseWorker(NixlPullConnectorWorker):  # type: ignore[misc]
 
     def _kvl_on_read(self, rid: str, st: _Staged) -> None:
         state = self.nixl_wrapper.check_xfer_state(st.handle)
-        if state == "PROC":
+        verdict = _staging.read_verdict(state, time.perf_counter(), st.read_by)  # the clock after
+        if verdict == _staging.WAIT:
             return
-        if state != "DONE":
+        if verdict == _staging.FAILED:
             raise RuntimeError(f"the READ ended in state {state}")
+        if verdict == _staging.LATE:
+            return self._kvl_late(rid, st, state)
         self.nixl_wrapper.release_xfer_handle(st.handle)
         st.handle = None
-        st.event = self._kvl_copy(st.local_ids, st.offset, gather=False)
+        assert self._kvl_copier is not None
+        st.event = self._kvl_copier.scatter(st.local_ids, st.offset)
         st.stage = _SCATTER
 
     def _kvl_done(self, rid: str, st: _Staged) -> None:
@@ -442,7 +498,51 @@ class KVLeaseWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         self.kvl_counts["failed"] += 1
         if self._handle_failed_transfer(rid, st.handle, self._recv_failures):
             assert self._kvl_alloc is not None
-            self._kvl_alloc.free(st.slot)  # else a READ may still land there: keep the range
+            self._kvl_alloc.free(st.slot)
+        else:  # a READ may still land there: keep the range until the handle is released
+            self._kvl_abandoned[st.handle] = _Abandoned(rid, st.meta.remote.engine_id, st.slot)
+
+    def _kvl_late(self, rid: str, st: _Staged, state: str) -> None:
+        """Past the READ deadline: D may reuse its range, so the bytes are not used; the request
+        recomputes. Its blocks were never the READ's destination, so upstream frees them now."""
+        logger.warning(
+            "kvlease %s: staged READ of %d bytes not done by its deadline (%.1f s after the request, "
+            "state %s); recomputing",
+            rid,
+            st.nbytes,
+            time.perf_counter() - st.t0,
+            state,
+        )
+        handle, st.handle = st.handle, None
+        self._kvl_pulls.pop(rid, None)
+        self._kvl_release(st)
+        self.kvl_counts["late"] += 1
+        self._handle_failed_transfer(rid, None, self._recv_failures)
+        # a posted READ is not released (that need not stop its DMA into P's range): kept until it ends
+        self._kvl_abandoned[handle] = _Abandoned(rid, st.meta.remote.engine_id, st.slot)
+        self._kvl_reap()
+
+    def _kvl_reap(self) -> None:
+        """Release the handles of abandoned READs that ended, and free P's ranges under them."""
+        assert self._kvl_alloc is not None or not self._kvl_abandoned
+        for handle, gone in list(self._kvl_abandoned.items()):
+            try:
+                if self.nixl_wrapper.check_xfer_state(handle) == "PROC":
+                    continue
+            except Exception:  # as upstream: try to release it
+                pass
+            if self._try_release_xfer_handle(gone.rid, handle):
+                del self._kvl_abandoned[handle]
+                assert self._kvl_alloc is not None
+                self._kvl_alloc.free(gone.slot)
+
+    def _engines_with_inflight_transfers(self) -> set[Any]:
+        """Upstream's, plus the peers of staged pulls and of abandoned READs still posted: upstream
+        must not remove their agents (its own READs are in ``_recving_transfers``; these are not)."""
+        busy = set(super()._engines_with_inflight_transfers())
+        busy.update(st.meta.remote.engine_id for st in self._kvl_pulls.values())
+        busy.update(gone.engine_id for gone in self._kvl_abandoned.values())
+        return busy
 
     def _kvl_fallback(self, rid: str, st: _Staged, why: str) -> None:
         self._kvl_pulls.pop(rid, None)
@@ -478,18 +578,3 @@ class KVLeaseWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             self._kvl_server.stop()
         self._kvl_pool.shutdown(wait=False, cancel_futures=True)
         super().shutdown()
-
-
-def _tensors(kv_caches: dict[str, Any]) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-    for cache in kv_caches.values():
-        out.extend(cache if isinstance(cache, (list, tuple)) else [cache])
-    return [t for t in out if isinstance(t, torch.Tensor)]
-
-
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None

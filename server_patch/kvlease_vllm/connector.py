@@ -11,10 +11,11 @@ scheduler's own loop.
 Overridden (signatures pinned by a test against the sources of vLLM 0.32 and 0.33):
 - connector: ``__init__`` (config checks that refuse at start-up; the staging worker),
   ``set_xfer_handshake_metadata_pp_aware`` (D: the workers' staging ports), ``bind_gpu_block_pool``,
-  ``has_pending_block_frees``, ``supports_sleep_mode`` (0.33: refused, sleep discards leased KV);
+  ``has_pending_block_frees``, ``supports_sleep_mode`` (0.33: refused, sleep discards leased KV),
+  ``get_transfer_results`` (D: a read of P waits for P's post-read check, ``_sendcheck``);
 - scheduler: ``get_num_new_matched_tokens`` (P: verify, decide, claim under the tenant tag of P's
-  request), ``update_state_after_alloc`` (P: trim at the scheduler's final external token count),
-  ``request_finished`` (D: a lease tagged with the router's tenant tag of D's request + ``kvlease``
+  request), ``update_state_after_alloc`` (P: trim to the last ask's local hit + the final external
+  count), ``request_finished`` (D: a lease tagged with the router's tenant tag of D's request + ``kvlease``
   object), ``build_connector_meta`` (lease deadlines to workers, pressure relief, re-claims),
   ``update_connector_output`` (observations, freed leases), ``shutdown``.
 """
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvlease import __version__ as KVLEASE_VERSION
 from kvlease.protocol import KV, ControlInfo, Role, tenant_tag_of
-from kvlease_vllm import _control, _progress, _staging
+from kvlease_vllm import _control, _progress, _sendcheck, _staging
 from kvlease_vllm._compat import (
     NIXL_CONNECTOR_VERSION,
     NIXL_VERSION,
@@ -40,10 +41,12 @@ from kvlease_vllm._compat import (
     NixlConnector,
     NixlPullConnectorScheduler,
     init_logger,
+    vllm_envs,
 )
 from kvlease_vllm._config import (
     BIDIR_KEY,
     KVLeaseConfig,
+    check_free_ordering,
     check_platform,
     no_secret_warning,
     normalize_extra_config,
@@ -54,6 +57,7 @@ from kvlease_vllm._cost import CostModel, bytes_per_token, descriptors_per_token
 from kvlease_vllm._guards import (
     context_parallel_reason,
     control_port,
+    group_windows,
     hybrid_partial_reason,
     lora_tag,
     request_mm_digest,
@@ -61,7 +65,7 @@ from kvlease_vllm._guards import (
 )
 from kvlease_vllm._layout import kv_regions, pull_shape, transport_advice
 from kvlease_vllm._metrics import ConnectorMetrics
-from kvlease_vllm._pull import Pull, claim_outcome, reclaim_waiting
+from kvlease_vllm._pull import Pull, claim_outcome, final_trim, reclaim_waiting, submit_unclaim
 from kvlease_vllm._retention import RetentionTable
 from kvlease_vllm._verify import (
     HandleRejected,
@@ -70,7 +74,6 @@ from kvlease_vllm._verify import (
     handle_mac,
     parse_handle,
     strip_remote,
-    trim_params,
     verified_tokens,
 )
 
@@ -130,7 +133,7 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
             int(parallel.prefill_context_parallel_size or 1),
         )
         self.hybrid = bool(self._is_hma_required)
-        self.kv_regions = kv_regions(kv_cache_config)  # registered KV tensors: layers x (K, V)
+        self.kv_regions = kv_regions(kv_cache_config)  # registered NIXL regions (one per layer)
         buffer = getattr(vllm_config.kv_transfer_config, "kv_buffer_device", None)
         level, self.transport = transport_advice(PLATFORM_DEVICE_TYPE, os.environ, buffer)
         self._pulls: dict[str, Pull] = {}
@@ -141,6 +144,7 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
         #: D: leased request -> the block ids it holds its own reference on (own_block_refs).
         self._owned: dict[str, list[int]] = {}
         self._claims = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvlease-claim")
+        self.sends = _sendcheck.SendDesk(self.secret)  # P: its P->D sends, for D's post-read check
         self.control = ControlServer(
             self.desk,
             self._info,
@@ -148,11 +152,12 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
             port=control_port(cfg.control_port, self.dp_index),
             secret=self.secret,
             max_ttl=cfg.max_ttl_s,
+            sends=self.sends,
         ).start()
         advertise = cfg.control_advertise_host or (
             self.side_channel_host if cfg.control_host in ("0.0.0.0", "::", "") else cfg.control_host
         )
-        self.control_url = self.control.url(advertise)
+        self.control_url = self.sends.control_url = self.control.url(advertise)
         logger.info(
             "kvlease control endpoint on %s (data-parallel rank %d, auth %s); lease cap %d blocks",
             self.control_url,
@@ -210,6 +215,9 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
                     Reason.BIDIRECTIONAL_OFF,
                     f"kv_connector_extra_config.{BIDIR_KEY} is off on this node, so it cannot read D's blocks",
                 )
+            if request.skip_reading_prefix_cache:  # vLLM zeroes any hit after asking: never claim
+                why = "the request skips every prefix cache (prompt logprobs)"
+                return self._decline(request, params, Reason.SCHEDULER_DROPPED, why)
             pull = self._pulls[rid] = self._plan(request, params, num_computed_tokens)
         if pull.handle is None:  # declined: the handle was stripped from params
             return 0, False
@@ -236,10 +244,12 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
         gain = pull.verified - num_computed_tokens
         if gain <= 0:
             return self._decline(request, params, Reason.LOCAL_HIT, "P's prefix cache covers it")
+        # vLLM asks again, with a fresh local hit, every step the admission fails to allocate: the
+        # last ask is the one it admits. The handle is trimmed at the scheduler's final count
+        # (update_state_after_alloc), to this local hit + that count.
+        pull.local, pull.tokens = num_computed_tokens, gain
         if pull.started is None:
-            # The handle is trimmed once the scheduler's final count is known (update_state_after_alloc).
-            pull.started, pull.tokens, pull.outcome = time.perf_counter(), gain, Reason.PULL
-            pull.local = num_computed_tokens
+            pull.started, pull.outcome = time.perf_counter(), Reason.PULL
             logger.info("kvlease %s: pulling %d verified tokens from %s", rid, gain, pull.handle.engine_id)
         return gain, True
 
@@ -280,10 +290,14 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
                 request, params, Reason.MISMATCH, f"0 of {len(handle.ext.hashes)} blocks match"
             )
         why = hybrid_partial_reason(
-            groups=len(self.kv_cache_config.transfer_groups),
+            windows=group_windows(
+                (g.kv_cache_spec for g in self.kv_cache_config.transfer_groups), self.block_size
+            ),
             hybrid=self.hybrid,
             verified=verified,
             remote_tokens=handle.num_tokens,
+            block_size=self.block_size,
+            named=[len(g) for g in handle.block_ids],
         )
         if why:
             return self._decline_plan(request, params, Reason.HYBRID_PARTIAL, why)
@@ -328,6 +342,9 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
     ) -> tuple[int, bool]:
         # recompute; never contact the decode node for this handle. vLLM reads the request's
         # kv_transfer_params dict: a fresh copy that names no blocks replaces it (not edited).
+        old = self._pulls.get(request.request_id)
+        if old is not None and old.handle is not None and old.claimed_at is not None:  # claimed: unpin
+            submit_unclaim(self._claims, old, request.request_id, self.secret, self.cfg.claim_timeout_s)
         request.kv_transfer_params = strip_remote(params)
         self._pulls[request.request_id] = Pull(None, outcome=reason)
         self.metrics.pull_decisions.labels(reason.value).inc()
@@ -350,6 +367,8 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
         if t0 is not None and (pull is None or pull.started is None):
             self.cost.observe_prefill(t0[1], time.perf_counter() - t0[0])
         delay, out = super().request_finished(request, block_ids)
+        if delay and out is not None and out.get(KV.DO_REMOTE_PREFILL):  # P: a send D will read
+            out = self.sends.issue(rid, self._reqs_need_send.get(rid), out)
         # vLLM's request_finished returns the response's kv_transfer_params as a dict: the kvlease
         # objects go into fresh copies of upstream's dict, serialized from their typed shapes.
         if pull is not None and out is not None:
@@ -408,7 +427,7 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
         self._waiting_blocks.pop(request.request_id, None)
         pull = self._pulls.get(request.request_id)
         if pull is not None and pull.handle is not None and pull.started is not None and not pull.trimmed:
-            self._trim_final(request, pull, num_external_tokens)
+            self._trim_final(request, pull, blocks, num_external_tokens)
             if self._pulls[request.request_id].handle is not None:  # not declined by the trim
                 self._observe_shape(request, blocks, num_external_tokens)
         super().update_state_after_alloc(request, blocks, num_external_tokens)
@@ -432,37 +451,27 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
         described = f"{shape.describe(regions)}; {choice.describe()}"
         logger.info("kvlease %s: pull of %d tokens: %s", rid, num_external_tokens, described)
 
-    def _trim_final(self, request: Request, pull: Pull, num_external_tokens: int) -> None:
-        """Cut the handle to the scheduler's final external count (0.33's ``cap_external_hit`` and
-        the prefix-replay truncation may lower it after ``get_num_new_matched_tokens``)."""
-        assert pull.handle is not None
+    def _trim_final(self, request: Request, pull: Pull, blocks: Any, num_external_tokens: int) -> None:
+        """Cut the handle to P's local hit + the scheduler's final external count (0.33's
+        ``cap_external_hit`` and the prefix-replay truncation may lower it after
+        ``get_num_new_matched_tokens``), never past the verified prefix (``_pull.final_trim``)."""
         pull.trimmed = True
-        rid = request.request_id
-        params = request.kv_transfer_params or {}
-        if num_external_tokens <= 0:
-            self._decline(request, params, Reason.LOCAL_HIT, "the scheduler kept none of the pulled tokens")
+        hybrid = self.hybrid or len(self.kv_cache_config.transfer_groups) > 1
+        trim = final_trim(pull, blocks, num_external_tokens, self.block_size, hybrid=hybrid)
+        if trim.reason is not Reason.PULL:
+            self._decline(request, request.kv_transfer_params or {}, trim.reason, trim.detail, warn=trim.warn)
+        elif trim.detail:
+            (logger.warning if trim.warn else logger.info)("kvlease %s: %s", request.request_id, trim.detail)
+        if trim.params is None:
             return
-        if num_external_tokens < pull.tokens:
-            logger.info(
-                "kvlease %s: the scheduler lowered the pull from %d to %d tokens",
-                rid,
-                pull.tokens,
-                num_external_tokens,
-            )
-            if self.hybrid or len(self.kv_cache_config.transfer_groups) > 1:
-                logger.warning(
-                    "kvlease %s: hybrid KV cache and a shortened pull; sliding-window layers may "
-                    "not line up (the read proceeds: the scheduler already counts these tokens)",
-                    rid,
-                )
-        pull.tokens = num_external_tokens
         # vLLM's connector API: upstream reads (and marks) the pull in the request's own
         # kv_transfer_params dict. This is the one place the typed handle becomes that dict
         # again: a fresh one, serialized from the trimmed handle; vLLM's dict is not edited.
-        trimmed = trim_params(pull.handle, pull.local + num_external_tokens, deadline=pull.deadline)
-        request.kv_transfer_params = trimmed.to_json()
-        self.metrics.pull_decisions.labels(Reason.PULL.value).inc()
-        self.metrics.pulled_tokens.inc(num_external_tokens)
+        request.kv_transfer_params = trim.params.to_json()
+        if trim.reason is Reason.PULL:
+            pull.tokens = num_external_tokens
+            self.metrics.pull_decisions.labels(Reason.PULL.value).inc()
+            self.metrics.pulled_tokens.inc(num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
         # The first waiting request that got no blocks this step heads the queue (FCFS): free what it
@@ -472,7 +481,10 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
         self._relieve_pressure(need=head)
         self._reqs_need_send.update(self.desk.take_updates())
         self._reclaim_waiting(time.perf_counter())
+        checks = _sendcheck.read_targets(self._reqs_need_recv, self.secret)  # D: reads of P to check
         meta = super().build_connector_meta(scheduler_output)
+        if checks and meta is not None:
+            setattr(meta, _sendcheck.TARGETS_ATTR, checks)
         if self._stage_plans and meta is not None:  # P: this step's staged pulls, to the workers
             setattr(meta, _staging.PLANS_ATTR, self._stage_plans)
             self._stage_plans = {}
@@ -499,6 +511,7 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         super().update_connector_output(connector_output)
         sent = connector_output.finished_sending or set()
+        self.sends.ended(sent)
         self.desk.forget(sent)
         owned = [rid for rid in sent if rid in self._owned]
         if owned:
@@ -538,15 +551,23 @@ class KVLeaseConnector(NixlConnector):  # type: ignore[misc,valid-type]
         cfg, warnings = normalize_extra_config(ktc.kv_connector_extra_config)
         for w in warnings:
             logger.warning("kvlease: %s", w)
+        bidirectional = bool(ktc.kv_connector_extra_config.get(BIDIR_KEY, False))
         check_platform(
             device_type=PLATFORM_DEVICE_TYPE,
             kv_buffer_device=ktc.kv_buffer_device,
-            bidirectional=bool(ktc.kv_connector_extra_config.get(BIDIR_KEY, False)),
+            bidirectional=bidirectional,
+        )
+        check_free_ordering(
+            kv_role=ktc.kv_role,
+            bidirectional=bidirectional,
+            concurrent_batches=int(vllm_config.max_concurrent_batches),
+            async_scheduling=bool(vllm_config.scheduler_config.async_scheduling),
         )
         policy, warning = recompute_policy(ktc.kv_load_failure_policy, ktc.kv_role)
         if warning and role == KVConnectorRole.SCHEDULER:
             logger.warning("kvlease: %s", warning)
         ktc.kv_load_failure_policy = policy
+        self._read_checks = _sendcheck.ReadChecks(cfg.secret(), _sendcheck.CHECK_TIMEOUT_S)  # D's workers
         if role == KVConnectorRole.WORKER:  # before upstream's worker creates its NIXL agent
             _progress.configure(cfg.nixl_progress_delay_us)
         if role == KVConnectorRole.WORKER and cfg.staging != _staging.OFF:
@@ -570,10 +591,15 @@ class KVLeaseConnector(NixlConnector):  # type: ignore[misc,valid-type]
     def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
         """D: the workers' staging ports, taken off their handshake payloads before upstream
         serves them (P's upstream reads exactly upstream's payload)."""
-        ports, clean = _staging.take_ports(metadata)
+        ports, clean = _staging.take_ports(metadata, vllm_envs.VLLM_NIXL_SIDE_CHANNEL_HOST)
         if isinstance(self.connector_scheduler, KVLeaseScheduler):
             self.connector_scheduler.staging_ports = ports
         super().set_xfer_handshake_metadata_pp_aware(clean)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """D: a finished read of P is reported once P confirms it held the blocks (``_sendcheck``)."""
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        return self._read_checks.settle(super().get_transfer_results(finished_req_ids), meta)
 
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
         super().bind_gpu_block_pool(gpu_block_pool)

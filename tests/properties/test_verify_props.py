@@ -16,12 +16,14 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from kvlease.protocol import KV, LEASE_HANDLE_MAC, TransferParams, block_hashes, common_prefix_blocks
+from kvlease_vllm._guards import hybrid_partial_reason
 from kvlease_vllm._verify import (
     HandleRejected,
     RemoteHandle,
     handle_ext,
     handle_mac,
     parse_handle,
+    trim_params,
     verified_tokens,
 )
 
@@ -283,3 +285,63 @@ def test_the_handle_round_trips(handle: TransferParams) -> None:
     wire = handle.to_json()
     assert TransferParams.from_json(wire) == handle
     assert TransferParams.from_json(copy.deepcopy(wire)).to_json() == wire
+
+
+# ------------------------------------------------------------------ hybrid KV cache: what P reads
+@SETTINGS
+@given(
+    n_tokens=st.integers(1, 200),
+    bs=st.sampled_from([1, 2, 4, 16]),
+    windows=st.lists(st.integers(1, 40), min_size=1, max_size=3),
+    data=st.data(),
+)
+def test_a_hybrid_pull_the_guard_allows_reads_the_window_of_its_own_positions(
+    n_tokens: int, bs: int, windows: list[int], data: st.DataObject
+) -> None:
+    """D's handle as upstream hands it out (a full-attention group naming every block; each
+    sliding-window group its last ``cdiv(window, bs) + 1`` blocks, null where wholly before D's
+    window); P pulls ``tokens`` (whole blocks, or D's whole sequence) where
+    ``hybrid_partial_reason`` allows it, and reads each group into its non-null blocks of the window,
+    paired from the end of the trimmed list (upstream's rule). Every block P reads must be D's block
+    of the same position, never a null one."""
+    d_end = -(-n_tokens // bs)
+    tokens = data.draw(st.sampled_from([n_tokens, *(b * bs for b in range(1, n_tokens // bs + 1))]))
+    p_end = -(-tokens // bs)
+
+    def block_id(group: int, pos: int) -> int:
+        return 1 + group * 1000 + pos  # 0 is vLLM's null block
+
+    def first_block(n: int, window: int) -> int:
+        return max(0, n - window + 1) // bs
+
+    groups = [[block_id(0, p) for p in range(d_end)]]
+    for g, w in enumerate(windows, start=1):
+        tail = range(max(0, d_end - (-(-w // bs) + 1)), d_end)
+        groups.append([block_id(g, p) if p >= first_block(n_tokens, w) else 0 for p in tail])
+    ext = handle_ext(
+        token_ids=list(range(n_tokens)),
+        num_tokens=n_tokens,
+        block_size=bs,
+        salt=None,
+        lease_id="d",
+        engine_id="e",
+        control=None,
+    )
+    handle = RemoteHandle(ext, "e", "d", "127.0.0.1", 5600, tuple(map(tuple, groups)), n_tokens)
+    why = hybrid_partial_reason(
+        windows=(0, *windows),
+        hybrid=True,
+        verified=tokens,
+        remote_tokens=n_tokens,
+        block_size=bs,
+        named=[len(g) for g in groups],
+    )
+    assume(why is None)
+    trimmed = trim_params(handle, tokens).block_ids
+    assert trimmed is not None and list(trimmed[0]) == groups[0][:p_end]
+    for g, w in enumerate(windows, start=1):
+        local = list(range(first_block(tokens, w), p_end))[-(-(-w // bs) + 1) :]  # P's clip
+        remote = list(trimmed[g])
+        assert len(local) <= len(remote)
+        read = remote[len(remote) - len(local) :] if local else []
+        assert read == [block_id(g, p) for p in local]

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import ast
+import types
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvlease_stack._vllm_src import SUPPORTED, vllm_source
 from kvlease_vllm._config import (
     KVLEASE_KEYS,
     ConfigError,
     KVLeaseConfig,
     UnsupportedVLLMVersion,
+    check_free_ordering,
     check_platform,
+    check_staging_memory,
     check_vllm_version,
     no_secret_warning,
     normalize_extra_config,
@@ -263,3 +270,160 @@ def test_gpu_cost_defaults() -> None:
     assert cfg.pull_per_descriptor_s == pytest.approx(3.2e-6)
     assert cfg.default_pull_bandwidth_bps == pytest.approx(750e9)
     assert 0 < cfg.pull_explore_fraction <= 0.05
+
+
+# ---- P's frees with more than one batch in flight (kv_producer + bidirectional_kv_xfer) -----------
+@pytest.mark.parametrize(
+    ("role", "bidir", "batches", "refused"),
+    [
+        ("kv_producer", True, 2, True),  # async scheduling: GPU vLLM 0.33's default
+        ("kv_producer", True, 3, True),  # V2 runner: async scheduling + PP 2
+        ("kv_producer", True, 1, False),  # --no-async-scheduling (the CPU platform forces it)
+        ("kv_producer", False, 2, False),  # P never loads
+        ("kv_both", True, 2, False),  # a consumer too: vLLM defers the frees
+        ("kv_consumer", True, 2, False),  # D: vLLM defers the frees
+        (None, True, 2, False),
+    ],
+)
+def test_producer_that_pulls_with_batches_in_flight_is_refused(
+    role: str | None, bidir: bool, batches: int, refused: bool
+) -> None:
+    kw: dict[str, Any] = dict(
+        kv_role=role, bidirectional=bidir, concurrent_batches=batches, async_scheduling=True
+    )
+    if not refused:
+        check_free_ordering(**kw)
+        return
+    with pytest.raises(ConfigError) as e:
+        check_free_ordering(**kw)
+    msg = str(e.value)
+    assert msg.startswith("kv_transfer_config.kv_role='kv_producer' with kv_connector_extra_config.")
+    assert f"with async scheduling ({batches} batches in flight)" in msg
+    # says exactly what to set instead
+    assert "start this node with --no-async-scheduling (scheduler_config.async_scheduling=false)" in msg
+    assert "and --pipeline-parallel-size 1, or set kv_transfer_config.kv_role to 'kv_both'" in msg
+
+
+def test_pipeline_parallel_producer_is_refused_naming_it() -> None:
+    with pytest.raises(ConfigError, match=r"with pipeline parallelism \(2 batches in flight\)"):
+        check_free_ordering(
+            kv_role="kv_producer", bidirectional=True, concurrent_batches=2, async_scheduling=False
+        )
+
+
+@pytest.fixture
+def connector(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.ModuleType]:
+    from fakes.vllm_standin import connector_over_fake_vllm
+
+    yield from connector_over_fake_vllm(monkeypatch)
+
+
+def test_connector_refuses_at_construction(connector: types.ModuleType) -> None:
+    """The check runs in ``KVLeaseConnector.__init__``, on vLLM's own ``max_concurrent_batches``."""
+    from fakes.vllm_standin import _KVCacheConfig, _Role, vllm_config
+
+    cfg = vllm_config()
+    cfg.max_concurrent_batches, cfg.scheduler_config.async_scheduling = 2, True
+    with pytest.raises(ConfigError, match=r"start this node with --no-async-scheduling"):
+        connector.KVLeaseConnector(cfg, _Role.SCHEDULER, _KVCacheConfig())
+    cfg = vllm_config(role="kv_both")
+    cfg.max_concurrent_batches, cfg.scheduler_config.async_scheduling = 2, True
+    connector.KVLeaseConnector(cfg, _Role.SCHEDULER, _KVCacheConfig()).connector_scheduler.shutdown()
+
+
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", sorted(SUPPORTED))
+def test_upstream_defers_frees_only_on_a_consumer(version: str) -> None:
+    """The rule :func:`check_free_ordering` encodes, read from each supported vLLM's sources: the
+    scheduler defers block frees when ``max_concurrent_batches > 1`` and the role is a consumer,
+    ``kv_both`` is a consumer and ``kv_producer`` is not, and ``max_concurrent_batches`` (which the
+    connector reads) counts async scheduling."""
+    root = vllm_source(version) / "vllm"
+    sched = {ast.unparse(n) for n in ast.walk(_tree(root / "v1" / "core" / "sched" / "scheduler.py"))}
+    assert "multiple_inflight_batches = self.vllm_config.max_concurrent_batches > 1" in sched
+    assert (
+        "if multiple_inflight_batches and kv_transfer_config.is_kv_consumer:\n    self.defer_block_free = True"
+        in sched
+    )
+    roles = {
+        n.targets[0].id: ast.literal_eval(n.value.slice)
+        for n in _tree(root / "config" / "kv_transfer.py").body
+        if isinstance(n, ast.Assign)
+        and isinstance(n.targets[0], ast.Name)
+        and n.targets[0].id in ("KVProducer", "KVConsumer")
+    }
+    assert roles["KVProducer"] == ("kv_producer", "kv_both")
+    assert roles["KVConsumer"] == ("kv_consumer", "kv_both")
+    assert "kv_producer" not in roles["KVConsumer"]
+    (vllm_cls,) = [
+        n
+        for n in _tree(root / "config" / "vllm.py").body
+        if isinstance(n, ast.ClassDef) and n.name == "VllmConfig"
+    ]
+    (prop,) = [
+        n for n in vllm_cls.body if isinstance(n, ast.FunctionDef) and n.name == "max_concurrent_batches"
+    ]
+    assert "self.scheduler_config.async_scheduling" in ast.unparse(prop)
+    assert "async_scheduling: bool | None" in (root / "config" / "scheduler.py").read_text()
+    # the flags the message and the examples name: bool fields get --no-<name> from argparse
+    args = (root / "engine" / "arg_utils.py").read_text()
+    assert '"--async-scheduling", **scheduler_kwargs["async_scheduling"]' in args
+    assert 'kwargs[name]["action"] = argparse.BooleanOptionalAction' in args
+    assert '"--gpu-memory-utilization",' in args and '"--pipeline-parallel-size",' in args
+
+
+# ---- the staging buffer beside vLLM's memory budget -------------------------------------------
+GIB = 1 << 30
+H200 = 140 * GIB  # an H200-class device as torch reports it (rounded)
+PER_TOKEN_70B = 80 * 2 * 8 * 128 * 2  # bf16, 80 layers, 8 KV heads of 128: 320 KiB per token
+
+
+def _staging(tokens: int = 32768, **kw: Any) -> None:
+    args: dict[str, Any] = dict(
+        staging_bytes=tokens * PER_TOKEN_70B,
+        staging_tokens=tokens,
+        total_bytes=H200,
+        free_bytes=40 * GIB,
+        gpu_memory_utilization=0.85,
+    )
+    check_staging_memory(**{**args, **kw})
+
+
+def test_staging_buffer_that_fits_beside_the_budget_is_accepted() -> None:
+    _staging()  # 10 GiB + 2 GiB spare in the 21 GiB that 0.85 leaves
+    _staging(gpu_memory_utilization=0.9)  # 12 GiB in 14 GiB
+    _staging(kv_cache_memory_bytes=80 * GIB, gpu_memory_utilization=0.99)  # utilization ignored
+
+
+def test_staging_buffer_over_the_budget_is_refused_naming_both_settings() -> None:
+    with pytest.raises(ConfigError) as e:
+        _staging(gpu_memory_utilization=0.92)  # vLLM's default: 11.2 GiB outside the budget
+    msg = str(e.value)
+    assert msg.startswith("kvlease.staging_max_tokens=32768 needs a 10.0 GiB staging buffer per worker")
+    assert "with the 2.0 GiB kvlease keeps spare" in msg
+    assert "the 11.2 GiB vLLM leaves outside its budget (1 - gpu_memory_utilization 0.92 of 140.0 GiB)" in msg
+    tokens = int(msg.split("set kvlease.staging_max_tokens to at most ")[1].split(",")[0])
+    util = float(msg.split("gpu_memory_utilization (--gpu-memory-utilization) to at most ")[1].split()[0])
+    assert (tokens, util) == (30146, 0.91)
+    # what it says to set does fit
+    _staging(tokens, gpu_memory_utilization=0.92)
+    _staging(gpu_memory_utilization=util)
+    with pytest.raises(ConfigError):
+        _staging(tokens + 1, gpu_memory_utilization=0.92)
+
+
+def test_staging_buffer_refused_when_the_device_has_less_free() -> None:
+    """Another process holds memory outside vLLM's budget: free memory is the limit."""
+    with pytest.raises(ConfigError, match=r"does not fit in 5\.0 GiB free on the device now") as e:
+        _staging(free_bytes=5 * GIB)
+    assert "at most 9830" in str(e.value)
+
+
+def test_staging_with_a_fixed_kv_cache_size_checks_free_memory_only() -> None:
+    with pytest.raises(ConfigError, match=r"in 8\.0 GiB free on the device now") as e:
+        _staging(free_bytes=8 * GIB, kv_cache_memory_bytes=80 * GIB)
+    assert "gpu_memory_utilization" not in str(e.value)  # vLLM ignores it then

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any
+
 import pytest
 
-from kvlease_vllm._cost import CostModel
+from kvlease_vllm._cost import CostModel, bytes_per_token, descriptors_per_token
 from kvlease_vllm._verify import Reason
 
 
@@ -87,7 +90,7 @@ def gpu_default_model(prefill_tps: float | None = None) -> CostModel:
     cfg = KVLeaseConfig()
     m = CostModel(
         bytes_per_token=BYTES_8B,
-        descriptors_per_token=2 * LAYERS / BLOCK,
+        descriptors_per_token=LAYERS / BLOCK,  # one region per layer, K and V packed (vLLM 0.32, 0.33)
         default_bandwidth_bps=cfg.default_pull_bandwidth_bps,
         per_descriptor_s=cfg.pull_per_descriptor_s,
         default_prefill_tokens_per_s=cfg.default_prefill_tokens_per_s,
@@ -108,7 +111,8 @@ def test_8b_gqa_on_an_h200_class_prefill_pulls_with_default_settings(gain: int) 
 
 
 def test_defaults_reproduce_the_h200_measurement() -> None:
-    """benchmarks/gpu_nixl_pull.json: 196,608 descriptors (24k tokens, 64 layers) in ~636 ms."""
+    """benchmarks/gpu_nixl_pull.json: 196,608 descriptors (24k tokens, 64 layers, K and V as separate
+    regions, as that run laid them out) in ~636 ms."""
     m = CostModel(
         bytes_per_token=64 * 2 * 8 * 128 * 2,
         descriptors_per_token=2 * 64 / 16,
@@ -144,16 +148,93 @@ def test_no_exploration_of_hopeless_pulls() -> None:
 
 
 def test_layout_helpers_from_a_kv_cache_config() -> None:
-    from types import SimpleNamespace
-
-    from kvlease_vllm._cost import bytes_per_token, descriptors_per_token
-
     blocks = 1000
-    cfg = SimpleNamespace(
-        kv_cache_groups=[SimpleNamespace(layer_names=[f"l{i}" for i in range(LAYERS)])],
-        kv_cache_tensors=[SimpleNamespace(size=BYTES_8B * BLOCK * blocks)],
+    spec = _Spec(BLOCK, num_kv_heads=8, head_size=128)
+    cfg = _KVCacheConfig(
         num_blocks=blocks,
+        kv_cache_tensors=[_Tensor(size=BYTES_8B * BLOCK * blocks)],
+        kv_cache_groups=[_Group([f"l{i}" for i in range(LAYERS)], spec)],
+        kv_cache_layout="LBHNC",
     )
-    assert descriptors_per_token(cfg, BLOCK) == 2 * LAYERS / BLOCK
+    assert descriptors_per_token(cfg, BLOCK) == LAYERS / BLOCK  # one region per layer
     assert bytes_per_token(cfg, BLOCK) == BYTES_8B
-    assert descriptors_per_token(object(), BLOCK) == 2 * 32 / BLOCK  # unknown layouts: a guess
+    assert descriptors_per_token(object(), BLOCK) == 32 / BLOCK  # unknown layouts: a guess
+    assert bytes_per_token(object(), BLOCK) == 131072.0
+
+
+# ---- a vLLM 0.33-shaped KVCacheConfig (the fields of v1/kv_cache_interface.py; no vLLM here) -----
+@dataclass(frozen=True)
+class _Spec:  # AttentionSpec: a page holds K and V of every head for block_size tokens
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype_bytes: int = 2
+
+    @property
+    def page_size_bytes(self) -> int:
+        return self.num_kv_heads * self.block_size * 2 * self.head_size * self.dtype_bytes
+
+
+@dataclass(frozen=True)
+class _UniformSpecs:  # UniformTypeKVCacheSpecs: one group, layers of different shapes
+    block_size: int
+    kv_cache_specs: dict[str, _Spec]
+
+    @property
+    def page_size_bytes(self) -> int:
+        return sum(s.page_size_bytes for s in self.kv_cache_specs.values())
+
+
+@dataclass
+class _Group:
+    layer_names: list[str]
+    kv_cache_spec: Any
+    enable_kv_transfer: bool = True
+
+
+@dataclass
+class _Tensor:  # KVCacheTensor: ``size`` is "total size of the backing allocation"
+    size: int
+    layers: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _KVCacheConfig:
+    num_blocks: int
+    kv_cache_tensors: list[_Tensor]
+    kv_cache_groups: list[_Group]
+    kv_cache_layout: str | None = None
+
+
+def test_bytes_per_token_of_a_multi_spec_model_counts_each_page_once() -> None:
+    """Two groups, one of them with two layer shapes: vLLM 0.33's planner emits one tensor per
+    (group, spec), each with ``size`` = the whole backing allocation (v1/core/kv_cache_planning.py).
+    A pulled token moves every transferable group's page once; summing the sizes counted the
+    backing three times."""
+    blocks = 1000
+    wide, narrow = _Spec(BLOCK, 8, 128), _Spec(BLOCK, 8, 64)
+    full = _Group(
+        ["l0", "l1", "l2", "l3"],
+        _UniformSpecs(BLOCK, {"l0": wide, "l1": wide, "l2": narrow, "l3": narrow}),
+    )
+    window = _Group(["s0", "s1"], wide)
+    per_block = max(full.kv_cache_spec.page_size_bytes, 2 * wide.page_size_bytes)  # groups alias
+    backing = per_block * blocks
+    cfg = _KVCacheConfig(
+        num_blocks=blocks,
+        kv_cache_tensors=[
+            _Tensor(backing, ["l0", "l1"]),
+            _Tensor(backing, ["l2", "l3"]),
+            _Tensor(backing, ["s0", "s1"]),
+        ],
+        kv_cache_groups=[full, window],
+        kv_cache_layout="LBHNC",
+    )
+    truth = (2 * wide.page_size_bytes + 2 * narrow.page_size_bytes + 2 * wide.page_size_bytes) / BLOCK
+    assert bytes_per_token(cfg, BLOCK) == truth
+    assert sum(t.size for t in cfg.kv_cache_tensors) / blocks / BLOCK > 1.4 * truth  # the old sum
+    assert descriptors_per_token(cfg, BLOCK) == 6 / BLOCK  # six layers, one region each
+    # a group that does not take part in transfers moves nothing
+    cfg.kv_cache_groups[1].enable_kv_transfer = False
+    assert bytes_per_token(cfg, BLOCK) == (2 * wide.page_size_bytes + 2 * narrow.page_size_bytes) / BLOCK
+    assert descriptors_per_token(cfg, BLOCK) == 4 / BLOCK

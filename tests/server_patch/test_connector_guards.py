@@ -12,6 +12,7 @@ from kvlease.protocol import KV, LEASE_HANDLE_MAC, ProtocolError, TransferParams
 from kvlease_vllm._guards import (
     context_parallel_reason,
     control_port,
+    group_windows,
     hybrid_partial_reason,
     lora_tag,
     request_mm_digest,
@@ -174,23 +175,65 @@ def test_same_lora_and_mm_are_covered() -> None:
 
 
 # ---------------------------------------------------------------- hybrid, context parallel, DP
+# D's sequence: 165 tokens in 16-token blocks (11 blocks, the last partial); a 16-token sliding window
+# names its last cdiv(16, 16) + 1 = 2 blocks, as upstream hands them out.
+_W = 16
+
+
 @pytest.mark.parametrize(
-    ("groups", "hybrid", "verified", "remote", "declined"),
+    ("windows", "hybrid", "verified", "remote", "named", "words"),
     [
-        (1, False, 32, 67, False),  # one full-attention group: a partial prefix is fine
-        (2, True, 32, 67, True),  # sliding window + full: partial prefix refused
-        (1, True, 32, 67, True),  # sliding-window-only model
-        (2, True, 67, 67, False),  # token-exact continuation still pulls
-        (3, False, 66, 67, True),
+        ((0,), False, 32, 165, (11,), None),  # one full-attention group: any prefix
+        ((0, _W, _W, _W), True, 165, 165, (11, 2, 2, 2), None),  # D's whole sequence
+        # ends in D's last blocks: the window before it (block 9) is among D's blocks 9..10
+        ((0, _W, _W, _W), True, 160, 165, (11, 2, 2, 2), None),
+        ((0, _W), True, 144, 165, (11, 2), "need the KV of blocks 8..8, and D holds only blocks 9..10"),
+        ((0, _W), True, 32, 165, (11, 2), "need the KV of blocks 1..1, and D holds only blocks 9..10"),
+        # D's sequence ends on a block boundary: the block before its window is null on D
+        ((0, _W), True, 144, 160, (10, 2), "need the KV of blocks 8..8, and D holds only blocks 9..9"),
+        ((_W,), True, 160, 165, (2,), None),  # sliding-window-only model
+        ((0, None), True, 160, 165, (11, 1), "Mamba"),  # state of D's whole sequence only
+        ((0, None), True, 165, 165, (11, 1), None),
     ],
 )
-def test_hybrid_pulls_only_the_whole_sequence(
-    groups: int, hybrid: bool, verified: int, remote: int, declined: bool
+def test_hybrid_pulls_a_prefix_only_where_d_holds_its_window(
+    windows: tuple[int | None, ...],
+    hybrid: bool,
+    verified: int,
+    remote: int,
+    named: tuple[int, ...],
+    words: str | None,
 ) -> None:
-    why = hybrid_partial_reason(groups=groups, hybrid=hybrid, verified=verified, remote_tokens=remote)
-    assert (why is not None) is declined
-    if why:
-        assert f"{groups} KV cache groups" in why and f"only {verified} of D's {remote} tokens" in why
+    why = hybrid_partial_reason(
+        windows=windows, hybrid=hybrid, verified=verified, remote_tokens=remote, block_size=16, named=named
+    )
+    if words is None:
+        assert why is None
+    else:
+        assert why is not None and words in why
+        assert f"{len(windows)} KV cache groups" in why and f"only {verified} of D's {remote} tokens" in why
+
+
+class FullAttentionSpec:  # vLLM's kv_cache_spec kinds (v1/kv_cache_interface.py), by name
+    pass
+
+
+class SlidingWindowSpec:
+    def __init__(self, sliding_window: int, extra_retained_tokens: int = 0) -> None:
+        self.sliding_window = sliding_window
+        self.extra_retained_tokens = extra_retained_tokens
+
+
+class MambaSpec:
+    pass
+
+
+def test_group_windows_by_kind() -> None:
+    specs = [FullAttentionSpec(), SlidingWindowSpec(128), SlidingWindowSpec(128, 3), MambaSpec()]
+    assert group_windows(specs, 16) == (0, 128, 131, None)
+    other = SlidingWindowSpec(128)
+    other.block_size = 32  # type: ignore[attr-defined]  # a group of other-sized blocks
+    assert group_windows([FullAttentionSpec(), other], 16) == (0, None)
 
 
 @pytest.mark.parametrize(

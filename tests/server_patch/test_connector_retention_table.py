@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import ast
+import itertools
+
 import pytest
 
+from kvlease_stack._vllm_src import SUPPORTED, vllm_source
 from kvlease_vllm._retention import RELEASING_GRACE_S, AddResult, RetentionTable
 
 
@@ -184,6 +188,19 @@ def test_release_defers_while_pinned() -> None:
     assert "a" not in t and t.take_updates() == {"a": 131.0} and t.releasing_blocks == 4
 
 
+def test_unpin_ends_only_the_claimants_pin_and_lets_a_deferred_release_go() -> None:
+    t = table()
+    t.add("a", 4, 500.0, now=0.0)
+    t.renew("a", 30.0, 100.0, pin=True, claimant="p-1")
+    assert t.unpin("a", "p-2", 101.0) is False  # not its pin
+    assert t.unpin("nope", "p-1", 101.0) is False
+    assert t.release("a", 102.0) is True and "a" in t  # deferred under the pin
+    assert t.unpin("a", "p-1", 103.0) is True  # P will not read it after all
+    assert t.unpin("a", "p-1", 103.5) is False  # once
+    t.sweep(104.0)  # the deferred release goes now, not when the pin would have ended (130)
+    assert "a" not in t and t.take_updates() == {"a": 104.0}
+
+
 def test_emergency_relief_frees_one_lease_oldest_unpinned_first() -> None:
     t = table()
     for lid, deadline in (("new", 300.0), ("old", 100.0), ("mid", 200.0), ("pinned", 50.0)):
@@ -242,3 +259,105 @@ def test_a_renewal_naming_a_tag_tags_an_untagged_lease() -> None:
     assert t.get("x").tenant is None  # type: ignore[union-attr]
     t.renew("x", 60.0, 1.0, tenant="A")
     assert t.by_tenant() == {"A": (1, 3)}
+
+
+# ------------------------------------------------ retention never depends on insertion order
+# (vLLM issue #58222: a reaper that stops at the first live entry assumes its map is sorted by
+# expiry; renewals update deadlines in place, so no map of leases stays sorted.)
+LEASES = [("a", 10, 40.0, "t1"), ("b", 10, 30.0, None), ("c", 20, 35.0, "t1"), ("d", 10, 45.0, "t2")]
+RENEWALS = [("b", 60.0), ("d", 10.0), ("a", 5.0)]  # b outlives everyone; d and a unchanged
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations(range(len(LEASES)))))
+def test_early_release_and_updates_never_depend_on_insertion_order(order: tuple[int, ...]) -> None:
+    def run(order: tuple[int, ...]) -> tuple[list[str], list[str], dict[str, float], dict[str, float]]:
+        t = RetentionTable(50, renew_guard=0.0, tenant_quota_fraction=0.5)
+        for i in order:
+            lid, blocks, deadline, tenant = LEASES[i]
+            t.add(lid, blocks, deadline, now=0.0, tenant=tenant)
+        for lid, ttl in RENEWALS:
+            t.renew(lid, ttl, now=1.0)
+        renewed = t.take_updates()
+        over_cap = list(t.add("e", 10, 50.0, now=2.0, tenant="t1").released)
+        relieved = t.relieve(25, now=3.0)
+        return over_cap, relieved, renewed, t.take_updates()
+
+    got = run(order)
+    assert got == run(tuple(range(len(LEASES))))
+    over_cap, relieved, renewed, released = got
+    assert renewed == {"b": 61.0}
+    assert over_cap == ["c"]  # tenant t1 past its quota with the new lease: its oldest goes first
+    assert relieved == ["a", "d", "e"]  # then oldest deadline first, whatever came in first; b lives
+    assert released == {"c": 2.0, "a": 3.0, "d": 3.0, "e": 3.0}
+
+
+def test_renewed_deadlines_reach_the_workers_out_of_expiry_order() -> None:
+    """What upstream's worker map of deadlines looks like under kvlease: deadline changes are
+    written into it in place (a renewed lease keeps its slot), so a live entry can sit in front of
+    an earlier-expiring one. Hence upstream's sweep must scan every entry (checked against the
+    sources next)."""
+    t = table()
+    worker: dict[str, float] = {}  # upstream's _reqs_to_send: req_id -> deadline, in place
+    t.add("a", 1, 10.0, now=0.0)
+    t.add("b", 1, 20.0, now=0.0)
+    worker.update({"a": 10.0, "b": 20.0})  # issued with D's handles, in finish order
+    t.renew("a", 100.0, now=5.0)
+    t.release("b", now=6.0)
+    worker.update(t.take_updates())
+    assert list(worker.items()) == [("a", 105.0), ("b", 6.0)]  # not sorted by expiry
+
+
+def _sweep_problems(base_worker_source: str) -> list[str]:
+    """What keeps upstream's worker sweep from handling a map not sorted by expiry ([]: nothing)."""
+    tree = ast.parse(base_worker_source)
+    sweep = next(
+        (
+            n
+            for n in ast.walk(tree)
+            if isinstance(n, ast.FunctionDef) and n.name == "_reap_expired_send_leases"
+        ),
+        None,
+    )
+    if sweep is None:
+        return ["no _reap_expired_send_leases"]
+    problems = []
+    if any(isinstance(n, ast.Break) for n in ast.walk(sweep)):
+        problems.append("the sweep stops early")
+    if not any(
+        isinstance(n, ast.comprehension)
+        and ast.unparse(n.iter) == "self._reqs_to_send.items()"
+        and any("now >= expires" in ast.unparse(cond) for cond in n.ifs)
+        for n in ast.walk(sweep)
+    ):
+        problems.append("the sweep does not test each entry's deadline")
+    return problems
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", sorted(SUPPORTED))
+def test_upstreams_expiry_sweep_scans_every_entry(version: str) -> None:
+    """Every supported vLLM's worker sweep (``_reap_expired_send_leases``) checks every entry of
+    ``_reqs_to_send`` and never stops at the first live one, and its worker writes the deadlines
+    kvlease sends into that map in place. A vLLM whose sweep broke early would strand released and
+    expired leases behind a renewed one: kvlease would then have to keep the map sorted."""
+    nixl = vllm_source(version) / "vllm" / "distributed" / "kv_transfer" / "kv_connector" / "v1" / "nixl"
+    assert _sweep_problems((nixl / "base_worker.py").read_text(encoding="utf-8")) == []
+    pull_worker = (nixl / "pull_worker.py").read_text(encoding="utf-8")
+    assert "self._reqs_to_send[req_id] = expiration_time" in pull_worker
+
+
+def test_the_sweep_check_catches_an_early_break() -> None:
+    """The check can fail: the pre-#58222 shape (stop at the first live entry) is reported."""
+    early = (
+        "class W:\n"
+        "    def _reap_expired_send_leases(self, done):\n"
+        "        now = 0\n"
+        "        for req_id, expires in self._reqs_to_send.items():\n"
+        "            if now < expires:\n"
+        "                break\n"
+        "            done.add(req_id)\n"
+    )
+    assert _sweep_problems(early) == [
+        "the sweep stops early",
+        "the sweep does not test each entry's deadline",
+    ]

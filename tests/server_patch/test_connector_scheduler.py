@@ -1,255 +1,48 @@
-"""KVLeaseScheduler's decisions, run against a stand-in for vLLM's NIXL scheduler (no vLLM here).
-
-vLLM cannot be imported in this venv, so ``_compat``'s imports are served by a small fake package
-(the base classes keep only what the connector calls and reads: the attribute names are checked
-against the real 0.32 and 0.33 sources by ``test_vllm_sources``). What runs is the connector's own
-code: the P-side verify/claim/trim flow and every decline's log line, the D-side ``kvlease`` object,
-the start-up refusals, ``supports_sleep_mode``, data-parallel ports and emergency relief.
+"""KVLeaseScheduler's decisions, run against a stand-in for vLLM's NIXL scheduler (no vLLM here:
+``fakes.vllm_standin``). What runs is the connector's own code: the P-side verify/claim/trim flow
+and every decline's log line, the D-side ``kvlease`` object, the start-up refusals,
+``supports_sleep_mode``, data-parallel ports and emergency relief.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
-import sys
 import time
 import types
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from fakes.vllm_standin import (
+    BS,
+    D_TOKENS,
+    NEW_TURN,
+    SECRET,
+    _KVCacheConfig,
+    _Request,
+    _Role,
+    answer_claims,
+    ask,
+    connector_over_fake_vllm,
+    d_handle,
+    scheduler,
+    vllm_config,
+)
 
 from kvlease._errors import ConfigError
 from kvlease.protocol import KV, LEASE_HANDLE_MAC
 from kvlease_vllm._control import ClaimResult
-from kvlease_vllm._verify import handle_ext, handle_mac
-
-BS = 16
-SECRET = "s3cret"
-D_TOKENS = list(range(1000, 1000 + 10 * BS + 5))
-
-
-class _Role(enum.Enum):
-    SCHEDULER = 0
-    WORKER = 1
-
-
-class _FakeNixlScheduler:
-    def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
-        self.vllm_config = vllm_config
-        self.engine_id = engine_id
-        self.kv_cache_config = kv_cache_config
-        self.block_size = vllm_config.cache_config.block_size
-        self.side_channel_host = "127.0.0.1"
-        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
-        self.is_bidirectional_kv_xfer_enabled = bool(extra.get("bidirectional_kv_xfer", False))
-        self.decoder_kv_blocks_ttl = 120.0
-        self.kv_recompute_threshold = 64
-        self._is_hma_required = vllm_config.hybrid
-        self._reqs_need_send: dict[str, float] = {}
-        self.allocated: list[tuple[dict[str, Any] | None, int]] = []
-
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        return 0, False
-
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        self.allocated.append((request.kv_transfer_params, num_external_tokens))
-
-    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
-        return True, {
-            KV.DO_REMOTE_DECODE: True,
-            KV.DO_REMOTE_PREFILL: False,
-            KV.REMOTE_BLOCK_IDS: [list(range(100, 111))],
-            KV.REMOTE_ENGINE_ID: self.engine_id,
-            KV.REMOTE_REQUEST_ID: request.request_id,
-            KV.REMOTE_HOST: "127.0.0.1",
-            KV.REMOTE_PORT: 5601,
-            KV.REMOTE_NUM_TOKENS: len(request.all_token_ids),
-            KV.REMOTE_BLOCKS_EXPIRY_TIME: time.perf_counter() + 120.0,
-        }
-
-    def build_connector_meta(self, scheduler_output: Any) -> Any:
-        return None
-
-    def update_connector_output(self, connector_output: Any) -> None:
-        return None
-
-    def shutdown(self) -> None:
-        return None
-
-
-class _FakeNixlConnector:
-    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
-        self.engine_id = "engine-p"
-        self.connector_scheduler = None
-
-    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
-        return None
+from kvlease_vllm._verify import handle_mac
 
 
 @pytest.fixture
 def connector(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.ModuleType]:
-    """``kvlease_vllm.connector`` imported over a fake vLLM 0.33 on a CUDA platform."""
-    fakes = {
-        "vllm": {"__version__": "0.33.0"},
-        "vllm.distributed": {},
-        "vllm.distributed.kv_transfer": {},
-        "vllm.distributed.kv_transfer.kv_connector": {},
-        "vllm.distributed.kv_transfer.kv_connector.v1": {},
-        "vllm.distributed.kv_transfer.kv_connector.v1.base": {"KVConnectorRole": _Role},
-        "vllm.distributed.kv_transfer.kv_connector.v1.nixl": {
-            "NixlConnector": _FakeNixlConnector,
-            "NixlConnectorMetadata": object,
-            "NixlPullConnectorScheduler": _FakeNixlScheduler,
-            "NixlPullConnectorWorker": object,
-        },
-        "vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata": {"NIXL_CONNECTOR_VERSION": 15},
-        "vllm.envs": {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"},
-        "vllm.logger": {"init_logger": logging.getLogger},
-        "vllm.platforms": {"current_platform": types.SimpleNamespace(device_type="cuda")},
-        "vllm.v1": {},
-        "vllm.v1.request": {"RequestStatus": object},
-    }
-    for name, attrs in fakes.items():
-        mod = types.ModuleType(name)
-        mod.__dict__.update(attrs)
-        monkeypatch.setitem(sys.modules, name, mod)
-    for name in ("kvlease_vllm._compat", "kvlease_vllm.connector"):
-        monkeypatch.delitem(sys.modules, name, raising=False)
-    import kvlease_vllm.connector as c
-
-    yield c
-    for name in ("kvlease_vllm._compat", "kvlease_vllm.connector"):
-        sys.modules.pop(name, None)
-
-
-@dataclass
-class _Group:
-    layer_names: list[str]
-
-
-@dataclass
-class _KVCacheConfig:
-    groups: int = 1
-    num_blocks: int = 1000
-    kv_cache_tensors: list[Any] = field(default_factory=list)
-
-    @property
-    def transfer_groups(self) -> list[_Group]:
-        return [_Group([f"l{i}" for i in range(4)]) for _ in range(self.groups)]
-
-    @property
-    def kv_cache_groups(self) -> list[_Group]:
-        return self.transfer_groups
-
-
-def vllm_config(
-    *,
-    bidir: bool = True,
-    buffer: str = "cuda",
-    role: str = "kv_producer",
-    hybrid: bool = False,
-    **kvlease: Any,
-) -> Any:
-    extra: dict[str, Any] = {"bidirectional_kv_xfer": bidir, "kvlease": kvlease}
-    return types.SimpleNamespace(
-        kv_transfer_config=types.SimpleNamespace(
-            kv_connector_extra_config=extra,
-            kv_buffer_device=buffer,
-            kv_role=role,
-            kv_load_failure_policy="fail",
-        ),
-        cache_config=types.SimpleNamespace(block_size=BS),
-        parallel_config=types.SimpleNamespace(
-            data_parallel_index=0, decode_context_parallel_size=1, prefill_context_parallel_size=1
-        ),
-        model_config=None,
-        hybrid=hybrid,
-    )
-
-
-@dataclass
-class _Request:
-    request_id: str
-    prompt_token_ids: list[int]
-    kv_transfer_params: dict[str, Any] | None = None
-    cache_salt: str | None = None
-    lora_request: Any = None
-    mm_features: list[Any] = field(default_factory=list)
-    prompt_embeds: Any = None
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids
-
-
-def d_handle(tokens: list[int] = D_TOKENS, **ext_kw: Any) -> dict[str, Any]:
-    ext = handle_ext(
-        token_ids=tokens,
-        num_tokens=len(tokens),
-        block_size=BS,
-        salt=None,
-        lease_id="d-1",
-        engine_id="engine-d",
-        control="http://127.0.0.1:9",
-        **ext_kw,
-    )
-    params: dict[str, Any] = {
-        KV.DO_REMOTE_DECODE: True,
-        KV.DO_REMOTE_PREFILL: False,
-        KV.REMOTE_BLOCK_IDS: [list(range(100, 111))],
-        KV.REMOTE_ENGINE_ID: "engine-d",
-        KV.REMOTE_REQUEST_ID: "d-1",
-        KV.REMOTE_HOST: "127.0.0.1",
-        KV.REMOTE_PORT: 5601,
-        KV.REMOTE_NUM_TOKENS: len(tokens),
-        KV.REMOTE_BLOCKS_EXPIRY_TIME: 50.0,
-        KV.KVLEASE: ext.to_json(),
-    }
-    params[KV.KVLEASE] = {**params[KV.KVLEASE], LEASE_HANDLE_MAC: handle_mac(SECRET, params)}
-    return params
-
-
-def scheduler(c: types.ModuleType, groups: int = 1, **kw: Any) -> Any:
-    conn = c.KVLeaseConnector(vllm_config(**kw), _Role.SCHEDULER, _KVCacheConfig(groups=groups))
-    return conn
-
-
-def ask(sched: Any, req: _Request, computed: int = 0) -> tuple[int | None, bool]:
-    for _ in range(200):
-        got = sched.get_num_new_matched_tokens(req, computed)
-        if got[0] is not None:
-            return got  # type: ignore[no-any-return]
-        time.sleep(0.01)
-    raise AssertionError("the claim never finished")
+    yield from connector_over_fake_vllm(monkeypatch)
 
 
 @pytest.fixture
 def claims(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str | None]]:
-    seen: list[tuple[str, str | None]] = []
-
-    def fake_claim(
-        url: str, lease_id: str, hold: float, secret: Any, timeout: float, claimant: Any = None, **kw: Any
-    ) -> Any:
-        seen.append((lease_id, claimant))
-        return ClaimResult(29.0, 4321.0)
-
-    import kvlease_vllm._control as control
-
-    monkeypatch.setattr(control, "claim", fake_claim)
-    return seen
-
-
-NEW_TURN = [7] * 40
+    return answer_claims(monkeypatch)
 
 
 def test_pull_claims_then_trims_at_the_final_count_with_ds_deadline(connector: Any, claims: list) -> None:
@@ -326,25 +119,56 @@ def test_claim_refused_by_another_reader(
 def test_hybrid_partial_prefix_recomputes(
     connector: Any, caplog: pytest.LogCaptureFixture, claims: list
 ) -> None:
+    """A full-attention and a sliding-window group (a 16-token window: D names its last 2 blocks):
+    a prefix of 6 blocks needs the window's block 5, which D no longer holds."""
     edited = list(D_TOKENS)
     edited[6 * BS] = 1  # an earlier word edited: only 6 blocks verify
     handle = d_handle()
-    handle[KV.REMOTE_BLOCK_IDS] = [list(range(100, 111)), list(range(200, 211))]
+    handle[KV.REMOTE_BLOCK_IDS] = [list(range(100, 111)), [209, 210]]
     handle[KV.KVLEASE] = {**handle[KV.KVLEASE], LEASE_HANDLE_MAC: handle_mac(SECRET, handle)}
-    line = _declined(
-        connector, caplog, _Request("p", edited + NEW_TURN, handle), groups=2, control_secret=SECRET
-    )
+    req = _Request("p", edited + NEW_TURN, handle)
+    line = _declined(connector, caplog, req, groups=2, windows=(BS,), hybrid=True, control_secret=SECRET)
     assert "recompute (hybrid_partial)" in line and f"only {6 * BS} of D's {len(D_TOKENS)} tokens" in line
+    assert "need the KV of blocks 5..5, and D holds only blocks 9..10" in line
 
 
-def test_hybrid_token_exact_continuation_still_pulls(connector: Any, claims: list) -> None:
-    conn = scheduler(connector, groups=2, control_secret=SECRET)
+@pytest.mark.parametrize("exact", [True, False], ids=["token_exact", "ends_in_d_last_blocks"])
+def test_hybrid_prefix_pulls_where_d_holds_its_window(connector: Any, claims: list, exact: bool) -> None:
+    """The token-exact continuation pulls D's whole sequence; a prefix ending one block before D's
+    end (its window in D's block 9) pulls too, each group cut from its end."""
+    conn = scheduler(connector, groups=2, windows=(BS,), hybrid=True, control_secret=SECRET)
     sched = conn.connector_scheduler
     try:
         handle = d_handle()
-        handle[KV.REMOTE_BLOCK_IDS] = [list(range(100, 111)), list(range(200, 211))]
+        handle[KV.REMOTE_BLOCK_IDS] = [list(range(100, 111)), [209, 210]]
         handle[KV.KVLEASE] = {**handle[KV.KVLEASE], LEASE_HANDLE_MAC: handle_mac(SECRET, handle)}
-        assert ask(sched, _Request("p", D_TOKENS + NEW_TURN, handle)) == (len(D_TOKENS), True)
+        prompt = D_TOKENS + NEW_TURN if exact else D_TOKENS[: 10 * BS] + NEW_TURN
+        tokens = len(D_TOKENS) if exact else 10 * BS
+        req = _Request("p", prompt, handle)
+        assert ask(sched, req) == (tokens, True)
+        sched.update_state_after_alloc(req, None, tokens)
+        params, _ = sched.allocated[-1]
+        assert params[KV.REMOTE_BLOCK_IDS] == (
+            handle[KV.REMOTE_BLOCK_IDS] if exact else [list(range(100, 110)), [209]]
+        )
+    finally:
+        sched.shutdown()
+
+
+def test_hybrid_pull_lowered_by_the_scheduler_fails_unread(connector: Any, claims: list) -> None:
+    """The scheduler lowers a hybrid pull below the end whose window was checked: the read is failed
+    unread (D's deadline in the past) and P recomputes, instead of reading misplaced window blocks."""
+    conn = scheduler(connector, groups=2, windows=(BS,), hybrid=True, control_secret=SECRET)
+    sched = conn.connector_scheduler
+    try:
+        handle = d_handle()
+        handle[KV.REMOTE_BLOCK_IDS] = [list(range(100, 111)), [209, 210]]
+        handle[KV.KVLEASE] = {**handle[KV.KVLEASE], LEASE_HANDLE_MAC: handle_mac(SECRET, handle)}
+        req = _Request("p", D_TOKENS + NEW_TURN, handle)
+        assert ask(sched, req) == (len(D_TOKENS), True)
+        sched.update_state_after_alloc(req, None, 5 * BS)
+        params, _ = sched.allocated[-1]
+        assert params[KV.REMOTE_BLOCKS_EXPIRY_TIME] == 0.0
     finally:
         sched.shutdown()
 
@@ -546,13 +370,13 @@ def test_pull_reports_its_shape_in_metrics_and_the_log_line(
         with caplog.at_level(logging.INFO):
             # P's destination blocks in 2 runs; D's trimmed handle is [100..104], 1 run
             sched.update_state_after_alloc(req, _Blocks([7, 8, 9, 20, 21]), 5 * BS)
-        assert sched.kv_regions == 8  # 4 layers x (K, V)
+        assert sched.kv_regions == 4  # 4 layers, K and V packed in one region each
         text = sched.metrics.render().decode()
-        assert "kvlease_pull_descriptors_sum 40.0" in text  # 8 regions x 5 blocks
+        assert "kvlease_pull_descriptors_sum 20.0" in text  # 4 regions x 5 blocks
         assert 'kvlease_pull_block_runs_sum{side="local"} 2.0' in text
         assert 'kvlease_pull_block_runs_sum{side="remote"} 1.0' in text
         assert (
-            "pull of 80 tokens: 40 descriptors (8 KV regions x blocks), block-id runs P 2 / D 1"
+            "pull of 80 tokens: 20 descriptors (4 KV regions x blocks), block-id runs P 2 / D 1"
             in caplog.text
         )
         assert sched.allocated[-1][1] == 5 * BS  # upstream's allocation is unchanged

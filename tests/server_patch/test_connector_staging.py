@@ -2,8 +2,9 @@
 ``kvlease.protocol._handle``, the config keys and the cost model's staged path).
 
 The vLLM side (``kvlease_vllm._worker``) runs on the real CPU stack in
-``tests/integration/test_connector_staging.py``; its override signatures are pinned against vLLM
-0.32 and 0.33 in ``test_vllm_sources``.
+``tests/integration/test_connector_staging.py`` and over a stand-in for vLLM's NIXL worker in
+``test_worker_staged``; its override signatures are pinned against vLLM 0.32 and 0.33 in
+``test_vllm_sources``.
 """
 
 from __future__ import annotations
@@ -182,6 +183,109 @@ def test_range_allocator_refuses_too_large_and_reclaims_expired_ranges() -> None
     assert a.alloc(10_000, now=1.0, hold_s=1.0) is not None
 
 
+def test_range_allocator_never_reissues_a_range_until_freed() -> None:
+    a = _staging.RangeAllocator(4 * 4096, align=4096)
+    slot, offset = a.alloc(4 * 4096, now=0.0, hold_s=float("inf")) or (0, -1)
+    for now in (1.0, 3600.0, 1e9, 1e15):  # however long the READ takes
+        assert a.alloc(1, now=now, hold_s=float("inf")) is None
+    assert a.free(slot)
+    assert a.alloc(4096, now=1e15, hold_s=float("inf")) == (slot + 1, offset)
+
+
+@pytest.mark.parametrize("nbytes", [4096, 1 << 30, 10 << 30, 60 << 30])
+@pytest.mark.parametrize("timeout_s", [0.1, 2.0, 60.0])
+@pytest.mark.parametrize("answer_after_s", [0.0, 0.5, 59.0])
+def test_d_never_reissues_a_range_p_may_still_use(
+    nbytes: int, timeout_s: float, answer_after_s: float
+) -> None:
+    """The whole staged range's life on one clock: P sends at 0 with its READ deadline, D allocates
+    when the request arrives, then another request asks D for the same bytes at every later time.
+    Whenever D hands the range out again, P's READ of it, seen done then or later, is declined."""
+    deadline = _staging.read_deadline_s(timeout_s, nbytes)
+    assert deadline >= _staging.READ_MIN_S and deadline >= nbytes / _staging.READ_FLOOR_BPS
+    hold = _staging.range_hold_s(round(deadline * 1e3) / 1e3)  # as D reads it off the wire
+    a = _staging.RangeAllocator(nbytes, align=4096)
+    assert a.alloc(nbytes, now=answer_after_s, hold_s=hold) is not None
+    reissued_at = None
+    for t in sorted({deadline * f for f in (0.5, 0.999, 1.0, 1.0001, 1.001, 1.5, 10.0)} | {1e6}):
+        if a.alloc(nbytes, now=answer_after_s + t, hold_s=hold) is not None:
+            reissued_at = answer_after_s + t
+            break
+    assert reissued_at is not None, "a P that vanished keeps D's range forever"
+    for seen in (reissued_at, reissued_at + 1.0):
+        assert _staging.read_verdict("DONE", seen, deadline) == _staging.LATE
+        assert _staging.read_verdict("PROC", seen, deadline) == _staging.LATE
+
+
+@pytest.mark.parametrize(
+    ("state", "now", "verdict"),
+    [
+        ("PROC", 0.0, "wait"),
+        ("PROC", 9.999, "wait"),
+        ("PROC", 10.0, "late"),
+        ("DONE", 1.0, "scatter"),
+        ("DONE", 10.0, "scatter"),
+        ("DONE", 10.001, "late"),
+        ("ERR", 1.0, "failed"),
+        ("ERR", 11.0, "failed"),
+    ],
+)
+def test_p_declines_a_read_not_seen_done_by_its_deadline(state: str, now: float, verdict: str) -> None:
+    assert _staging.read_verdict(state, now, read_by=10.0) == verdict
+
+
+def test_p_read_deadline_is_shorter_than_d_hold() -> None:
+    for deadline in (0.001, 1.0, 12.0, _staging.READ_DEADLINE_MAX_S):
+        assert _staging.range_hold_s(deadline) > deadline + 1.0
+    # 10 GiB over UCX's TCP emulation (~0.4 GB/s) takes ~27 s: inside the deadline, not past D's hold
+    assert _staging.read_deadline_s(2.0, 10 << 30) > (10 << 30) / 0.4e9
+
+
+# ------------------------------------------------------------------------------ ports
+def test_staging_ports_of_data_parallel_engines_do_not_overlap() -> None:
+    ports = [_staging.staging_port(7300, dp, 2, r) for dp in range(3) for r in range(2)]
+    assert ports == [7300, 7301, 7302, 7303, 7304, 7305]
+    assert _staging.staging_port(0, 1, 2, 1) == 0  # free ports
+
+
+def _free_port_range(n: int) -> int:
+    for base in range(42000, 60000, 97):
+        socks = []
+        try:
+            for i in range(n):
+                s = socket.socket()
+                s.bind(("127.0.0.1", base + i))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port range")
+
+
+def test_two_engines_on_one_host_listen_apart_and_a_clash_is_refused_by_name() -> None:
+    def handle(req: StagingRequest) -> StagingReply:
+        return StagingReply(False, refusal=StagingRefusal.BUSY)
+
+    token = _staging.staging_token("secret")
+    base = _free_port_range(2)
+    servers = []
+    try:
+        for dp in (0, 1):  # two engines of one host, TP 1, the same kvlease.staging_port
+            port = _staging.staging_port(base, dp, 1, 0)
+            servers.append(
+                _staging.listen("127.0.0.1", port, handle, token=token, data_parallel_index=dp, tp_rank=0)
+            )
+        assert [s.port for s in servers] == [base, base + 1]
+        with pytest.raises(ConfigError, match=r"kvlease\.staging_port.*data-parallel rank 0, TP rank 0"):
+            _staging.listen("127.0.0.1", base, handle, token=token, data_parallel_index=0, tp_rank=0)
+    finally:
+        for s in servers:
+            s.stop()
+
+
 # ------------------------------------------------------------------------------ worker -> scheduler
 @dataclass
 class _Payload:
@@ -189,18 +293,24 @@ class _Payload:
     agent_metadata_bytes: bytes
 
 
-def _payload(port: int | None) -> _Payload:
+def _payload(port: int | None, where: Any = ("10.0.0.1", "node-a")) -> _Payload:
     p = _Payload("h", b"m")
     if port is not None:
         setattr(p, _staging.PORT_ATTR, port)
+        if where is not None:
+            setattr(p, _staging.WHERE_ATTR, where)
     return p
+
+
+def _take(meta: dict[Any, Any]) -> tuple[tuple[int, ...] | None, dict[Any, Any]]:
+    return _staging.take_ports(meta, "10.0.0.1", node="node-a")
 
 
 def test_take_ports_strips_the_attribute_from_copies() -> None:
     meta = {(0, 0): _payload(7000), (0, 1): _payload(7001)}
-    ports, clean = _staging.take_ports(meta)
+    ports, clean = _take(meta)
     assert ports == (7000, 7001)
-    assert all(not hasattr(p, _staging.PORT_ATTR) for p in clean.values())
+    assert all(not hasattr(p, a) for p in clean.values() for a in (_staging.PORT_ATTR, _staging.WHERE_ATTR))
     assert clean[(0, 1)] == _Payload("h", b"m")
     assert hasattr(meta[(0, 0)], _staging.PORT_ATTR)  # the workers' objects are not edited
 
@@ -215,8 +325,28 @@ def test_take_ports_strips_the_attribute_from_copies() -> None:
     ],
 )
 def test_take_ports_advertises_nothing_unless_every_rank_stages(meta: dict[Any, Any]) -> None:
-    ports, clean = _staging.take_ports(meta)
+    ports, clean = _take(meta)
     assert ports is None and clean.keys() == meta.keys()
+
+
+@pytest.mark.parametrize(
+    ("where", "shown"),
+    [
+        (("10.0.0.1", "node-b"), "10.0.0.1 on node-b"),  # multi-node TP: rank 1 on another node
+        (("10.0.0.2", "node-a"), "10.0.0.2 on node-a"),  # bound where P does not connect
+        (None, "?"),  # a worker that does not say where it listens
+    ],
+)
+def test_take_ports_advertises_nothing_when_a_rank_listens_elsewhere(
+    where: Any, shown: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    meta = {(0, 0): _payload(7000), (0, 1): _payload(7001, where)}
+    with caplog.at_level(logging.INFO, logger="vllm.kvlease.staging"):
+        ports, clean = _take(meta)
+    assert ports is None and not hasattr(clean[(0, 1)], _staging.WHERE_ATTR)
+    assert "rank(s) 1 listen at " + shown in caplog.text
 
 
 # ------------------------------------------------------------------------------ wire shapes
@@ -229,7 +359,9 @@ def _roundtrip_request(r: StagingRequest) -> StagingRequest:
 
 def test_staging_messages_round_trip() -> None:
     stage = StagingRequest(STAGING_OP_STAGE, "req-1", (5, 3, 9), (4096, 4096))
-    assert _roundtrip_request(stage) == stage
+    assert _roundtrip_request(stage) == stage and stage.read_deadline_ms == 0  # an older P's
+    timed = StagingRequest(STAGING_OP_STAGE, "req-1", (5,), (4096,), read_deadline_ms=12_500)
+    assert _roundtrip_request(timed) == timed
     release = StagingRequest(STAGING_OP_RELEASE, "req-1", slot=7)
     assert _roundtrip_request(release) == release
     ok = StagingReply(True, slot=3, address=1 << 40, nbytes=8192, device_id=1)
@@ -249,6 +381,8 @@ def test_staging_messages_round_trip() -> None:
         {"op": "stage", "lease_id": "x", "block_ids": [-1], "region_bytes": [1]},
         {"op": "stage", "lease_id": "x", "block_ids": [True], "region_bytes": [1]},
         {"op": "stage", "lease_id": "x", "block_ids": [1], "region_bytes": [0]},
+        {"op": "stage", "lease_id": "x", "block_ids": [1], "region_bytes": [1], "read_deadline_ms": -1},
+        {"op": "stage", "lease_id": "x", "block_ids": [1], "region_bytes": [1], "read_deadline_ms": 1.5},
         {"op": "release", "lease_id": "x"},
     ],
 )
@@ -385,21 +519,23 @@ def test_cost_model_predicts_and_learns_each_path_apart() -> None:
 
 
 # ------------------------------------------------------------------------------ the scheduler's part
-# KVLeaseScheduler over the fake vLLM of test_connector_scheduler (no vLLM in this venv).
-from test_connector_scheduler import (  # noqa: E402
+# KVLeaseScheduler over the fake vLLM of ``fakes.vllm_standin`` (no vLLM in this venv).
+from fakes.vllm_standin import (  # noqa: E402
     BS,
     D_TOKENS,
     NEW_TURN,
     SECRET,
-    _Blocks,
     _FakeNixlScheduler,
     _Request,
-    claims,  # noqa: F401  (fixture)
-    connector,  # noqa: F401  (fixture)
     d_handle,
     scheduler,
 )
-from test_connector_scheduler import ask as ask_p  # noqa: E402
+from fakes.vllm_standin import ask as ask_p  # noqa: E402
+from test_connector_scheduler import (  # noqa: E402
+    _Blocks,
+    claims,  # noqa: F401  (fixture)
+    connector,  # noqa: F401  (fixture)
+)
 
 
 @pytest.mark.parametrize(("mode", "advertised"), [("auto", True), ("always", True), ("off", False)])

@@ -392,3 +392,24 @@ def test_hybrid_handle_with_sliding_window_tails_verifies_d_whole_sequence() -> 
     # an edit inside D's sequence still verifies only the blocks before it (the connector then
     # declines the partial pull on a hybrid cache: hybrid_partial)
     assert verified_tokens(handle, edit(D_TOKENS, 3 * BS + 1) + NEW_TURN, None, BS) == 3 * BS
+
+
+def test_hybrid_trim_cuts_every_group_from_its_end() -> None:
+    """Upstream pairs P's blocks with the end of each of D's lists. A prefix ending one block before
+    D's end hands the sliding-window groups their block at that prefix's end (D's block 9 here);
+    a cut from the front would have kept the tail of D's whole sequence (block 10)."""
+    params = d_params()
+    params[KV.REMOTE_BLOCK_IDS] = [list(range(100, 111)), [209, 210], [309, 310]]
+    cfg = KVLeaseConfig()
+    handle = parse_handle(
+        params, num_groups=3, host_allowed=cfg.host_allowed, max_parallel=cfg.max_remote_parallel
+    )
+    assert trim_params(handle, FULL).to_json()[KV.REMOTE_BLOCK_IDS] == [
+        list(range(100, 110)),
+        [209],
+        [309],
+    ]
+    # D's whole sequence: every list as D named it
+    assert trim_params(handle, FULL + 5).to_json()[KV.REMOTE_BLOCK_IDS] == params[KV.REMOTE_BLOCK_IDS]
+    # further back than a sliding-window list reaches: nothing of it (the guard declines such a pull)
+    assert trim_params(handle, 4 * BS).to_json()[KV.REMOTE_BLOCK_IDS] == [[100, 101, 102, 103], [], []]

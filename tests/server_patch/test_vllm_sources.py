@@ -34,7 +34,7 @@ OURS = {
     "KVLeaseWorker": "NixlPullConnectorWorker",
 }
 #: Private upstream methods an override replaces (checked like public ones).
-PRIVATE_OVERRIDES = {"KVLeaseWorker._read_blocks_for_req"}
+PRIVATE_OVERRIDES = {"KVLeaseWorker._read_blocks_for_req", "KVLeaseWorker._engines_with_inflight_transfers"}
 #: Names the connector binds to vLLM's ``Request`` objects.
 REQUEST_NAMES = {"request", "req"}
 #: Overrides of hooks that only newer vLLMs have (older ones never call them): hook -> first version.
@@ -370,3 +370,26 @@ def test_staging_worker_upstream_surface(upstream: ClassIndex) -> None:
         and "super().__init__(vllm_config, role, kv_cache_config)" in init
     )
     assert "VLLM_NIXL_SIDE_CHANNEL_HOST" in (root / "envs.py").read_text()
+
+
+def test_what_the_trim_at_the_final_ask_relies_on(upstream: ClassIndex) -> None:
+    """``_pull.final_trim``: the scheduler asks with a block-aligned local hit and admits exactly
+    that hit when it loads (a partial local tail is dropped, or the load is), zeroes the count of a
+    prompt-logprobs request after asking (kvlease declines those up front), and the allocation's
+    local prefix is its hashed, non-null blocks, counted as upstream's own
+    ``update_state_after_alloc`` counts them."""
+    root: Path = upstream.root  # type: ignore[attr-defined]
+    sched = (root / "v1" / "core" / "sched" / "scheduler.py").read_text()
+    ask = sched.index("self.connector.get_num_new_matched_tokens(")
+    assert sched.index("request, block_aligned_local", ask) < sched.index(
+        "if request.skip_reading_prefix_cache:", ask
+    )
+    assert "num_new_local_computed_tokens = block_aligned_local" in sched
+    blocks = _class_fields(root / "v1" / "core" / "kv_cache_manager.py", "KVCacheBlocks")
+    assert "blocks" in blocks
+    assert {"block_hash", "is_null"} <= _class_fields(
+        root / "v1" / "core" / "kv_cache_utils.py", "KVCacheBlock"
+    )
+    assert (
+        "block.block_hash is not None and not block.is_null" in _nixl(root, "pull_scheduler.py").read_text()
+    )

@@ -19,6 +19,8 @@ CONTROL_INFO_PATH: Final = "/info"
 CONTROL_RENEW_PATH: Final = "/renew"
 CONTROL_RELEASE_PATH: Final = "/release"
 CONTROL_METRICS_PATH: Final = "/metrics"
+#: P: D's post-read check of ordinary P->D sends (:class:`SendCheckRequest`).
+CONTROL_SEND_CHECK_PATH: Final = "/sendcheck"
 #: Shared-secret auth on the control endpoint: ``Authorization: Bearer <secret>``.
 CONTROL_AUTH_HEADER: Final = "Authorization"
 CONTROL_SECRET_ENV: Final = "KVLEASE_CONTROL_SECRET"
@@ -297,16 +299,29 @@ class ControlRenewResponse:
 
 @dataclass(frozen=True)
 class ControlReleaseRequest:
-    """``POST /release`` on D: ``{"request_ids": [...]}``; answer ``{"released": n}``."""
+    """``POST /release`` on D: ``{"request_ids": [...]}``; answer ``{"released": n}``.
+
+    ``"claimant": "<P's request id>"`` (a prefill node that claimed a lease and will not read it
+    after all): only that claimant's pin ends, early; the lease itself stays retained (answer: how
+    many pins ended).
+    """
 
     request_ids: tuple[str, ...]
+    claimant: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"request_ids": list(self.request_ids)}
+        body: dict[str, Any] = {"request_ids": list(self.request_ids)}
+        if self.claimant is not None:
+            body["claimant"] = self.claimant
+        return body
 
     @classmethod
     def from_json(cls, data: object) -> ControlReleaseRequest:
-        return cls(_id_list(data, "request_ids"))
+        ids = _id_list(data, "request_ids")
+        claimant = data.get("claimant") if isinstance(data, Mapping) else None
+        if claimant is not None and (not isinstance(claimant, str) or not claimant or len(claimant) > 512):
+            raise ProtocolError("claimant must be a non-empty string")
+        return cls(ids, claimant)
 
 
 @dataclass(frozen=True)
@@ -323,6 +338,42 @@ class ControlReleaseResponse:
         if not isinstance(data, Mapping):
             raise ProtocolError("release answer must be an object with 'released'")
         return cls(_int_field(data, "released", 0, 1 << 31))
+
+
+@dataclass(frozen=True)
+class SendCheckRequest:
+    """``POST /sendcheck`` on P (D, after its READ of P's blocks): ``{"request_ids": [...]}``, P's
+    request ids (the handle's ``remote_request_id``)."""
+
+    request_ids: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"request_ids": list(self.request_ids)}
+
+    @classmethod
+    def from_json(cls, data: object) -> SendCheckRequest:
+        return cls(_id_list(data, "request_ids"))
+
+
+@dataclass(frozen=True)
+class SendCheckResponse:
+    """``POST /sendcheck`` answer: ``{"intact": {"<id>": true, ...}}``. True: P held the id's blocks
+    until D's read had finished (P still holds them, or D's read-done notice freed them before
+    their expiry); false: P released them at or after the expiry, or does not know the id."""
+
+    intact: dict[str, bool]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"intact": dict(self.intact)}
+
+    @classmethod
+    def from_json(cls, data: object) -> SendCheckResponse:
+        raw = data.get("intact") if isinstance(data, Mapping) else None
+        if not isinstance(raw, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, bool) for k, v in raw.items()
+        ):
+            raise ProtocolError("send check answer must be an object with 'intact': {id: bool}")
+        return cls(dict(raw))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -381,10 +432,10 @@ def renew_call(
 
 
 def release_call(
-    control: str, lease_ids: Sequence[str], *, secret: str | None, timeout: float
+    control: str, lease_ids: Sequence[str], *, secret: str | None, timeout: float, claimant: str | None = None
 ) -> ControlCall:
-    """``POST /release`` of ``lease_ids``."""
-    body = ControlReleaseRequest(tuple(lease_ids)).to_json()
+    """``POST /release`` of ``lease_ids`` (``claimant``: only end that claimant's pins)."""
+    body = ControlReleaseRequest(tuple(lease_ids), claimant).to_json()
     return _call(control, CONTROL_RELEASE_PATH, body, secret, timeout)
 
 
@@ -405,3 +456,16 @@ def read_renew_answer(status: int, raw: bytes) -> ControlRenewResponse:
 def read_release_answer(status: int, raw: bytes) -> ControlReleaseResponse:
     """The typed answer of a ``release_call``; raises :class:`ControlCallError` / :class:`ProtocolError`."""
     return ControlReleaseResponse.from_json(_answer(status, raw))
+
+
+def send_check_call(
+    control: str, request_ids: Sequence[str], *, secret: str | None, timeout: float
+) -> ControlCall:
+    """``POST /sendcheck`` of P's ``request_ids`` (D, after its reads of P)."""
+    return _call(
+        control, CONTROL_SEND_CHECK_PATH, SendCheckRequest(tuple(request_ids)).to_json(), secret, timeout
+    )
+
+
+def read_send_check_answer(status: int, raw: bytes) -> SendCheckResponse:
+    return SendCheckResponse.from_json(_answer(status, raw))

@@ -89,8 +89,8 @@ class ControlClient:
         )
         return read_renew_answer(*send(call))
 
-    def release(self, lease_ids: Sequence[str]) -> ControlReleaseResponse:
-        call = release_call(self.url, lease_ids, secret=self.secret, timeout=self.timeout)
+    def release(self, lease_ids: Sequence[str], *, claimant: str | None = None) -> ControlReleaseResponse:
+        call = release_call(self.url, lease_ids, secret=self.secret, timeout=self.timeout, claimant=claimant)
         return read_release_answer(*send(call))
 
 

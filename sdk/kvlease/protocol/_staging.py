@@ -37,13 +37,16 @@ class StagingRefusal:
 
 @dataclass(frozen=True)
 class StagingRequest:
-    """``{"op": "stage", "lease_id": ..., "block_ids": [...], "region_bytes": [...]}`` or
-    ``{"op": "release", "lease_id": ..., "slot": n}``.
+    """``{"op": "stage", "lease_id": ..., "block_ids": [...], "region_bytes": [...],
+    "read_deadline_ms": n}`` or ``{"op": "release", "lease_id": ..., "slot": n}``.
 
     ``lease_id``: D's request id (the handle's ``remote_request_id``); ``block_ids``: D's block ids
     to gather, in P's read order; ``region_bytes``: P's bytes per block of every registered KV region
     (D refuses unless they equal its own); ``slot``: the range D answered, to free; ``auth``: the
-    token derived from the shared control secret (D refuses a request without the right one)."""
+    token derived from the shared control secret (D refuses a request without the right one);
+    ``read_deadline_ms``: P uses the staged bytes only if its READ of them is done within this many
+    milliseconds of sending the request, and D keeps the range at least that long unless P releases
+    it first (0: not given, as from an older P; D then refuses to stage)."""
 
     op: str
     lease_id: str
@@ -51,11 +54,14 @@ class StagingRequest:
     region_bytes: tuple[int, ...] = ()
     slot: int = -1
     auth: str = ""
+    read_deadline_ms: int = 0
 
     def to_bytes(self) -> bytes:
         body: dict[str, Any] = {"op": self.op, "lease_id": self.lease_id, "auth": self.auth}
         if self.op == STAGING_OP_STAGE:
             body.update(block_ids=list(self.block_ids), region_bytes=list(self.region_bytes))
+            if self.read_deadline_ms:
+                body.update(read_deadline_ms=self.read_deadline_ms)
         else:
             body.update(slot=self.slot)
         return staging_frame(body)
@@ -85,7 +91,8 @@ class StagingRequest:
             raise ProtocolError("staging region_bytes must be a non-empty list")
         if not all(_is_int(b) and 0 < b < (1 << 40) for b in regions):
             raise ProtocolError("staging region_bytes must be positive integers")
-        return cls(op, lease_id, tuple(ids), tuple(regions), auth=auth)
+        deadline = _int_field(data, "read_deadline_ms", 0, 1 << 31) if "read_deadline_ms" in data else 0
+        return cls(op, lease_id, tuple(ids), tuple(regions), auth=auth, read_deadline_ms=deadline)
 
 
 @dataclass(frozen=True)
