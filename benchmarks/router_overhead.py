@@ -562,6 +562,9 @@ def run(quick: bool = False) -> dict[str, Any]:
                 "--prefill", prefill, "--prefill-control", fake.info["prefill_control"],
                 "--decode", decode, "--decode-control", fake.info["decode_control"][0],
                 "--control-secret", SECRET, "--port", "0", "--log-level", "warning",
+                # every conversation comes from this one address: measure the relay, not the
+                # per-address fair share (max_turns_per_ip, 16 by default)
+                "--max-turns-per-ip", "0",
             ]
         )  # fmt: skip
         procs.append(router)

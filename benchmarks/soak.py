@@ -276,6 +276,8 @@ def run_soak(
                 "--prefill", fake.info["prefill"], "--prefill-control", fake.info["prefill_control"],
                 "--decode", fake.info["decode"][0], "--decode-control", fake.info["decode_control"][0],
                 "--control-secret", SECRET, "--port", "0", "--log-level", "error",
+                # all clients share one address here: no per-address fair share
+                "--max-turns-per-ip", "0",
             ]
         )  # fmt: skip
         procs.append(router)

@@ -122,12 +122,7 @@ def demote(
     default a pooled stream) run while the previous chunk's D2H (on ``stream``) does."""
     import torch
 
-    rows, row_bytes = _rows(regions)
-    n = _check_ids(block_ids, rows)
-    total = lease_bytes(row_bytes, n)
-    _check_range(arena, offset, total, "arena")
-    device = rows[0].device
-    _check_devices(arena.device, device, "arena")
+    rows, row_bytes, n, device = _checked(regions, block_ids, arena, offset, "arena")
     if arena.device == device and scratch is None:
         with _on(stream, after, device) as side:
             idx, keep = _index(block_ids, device, side)
@@ -194,12 +189,7 @@ def scatter(
     """The inverse of :func:`demote`: write the packed bytes at ``source[offset:]`` into the blocks
     ``block_ids`` of every region. ``source`` on the KV's device (a staging buffer) is read
     directly; on the host (the arena) it goes through ``scratch`` chunk by chunk (one H2D each)."""
-    rows, row_bytes = _rows(regions)
-    n = _check_ids(block_ids, rows)
-    total = lease_bytes(row_bytes, n)
-    _check_range(source, offset, total, "source")
-    device = rows[0].device
-    _check_devices(source.device, device, "source")
+    rows, row_bytes, n, device = _checked(regions, block_ids, source, offset, "source")
     if source.device == device and scratch is None:
         with _on(stream, after, device) as side:
             idx, keep = _index(block_ids, device, side)
@@ -250,6 +240,20 @@ def _rows(regions: Sequence[Any]) -> tuple[list[Any], list[int]]:
     if len({v.device for v in rows}) != 1:
         raise ArenaCopyError("KV regions on more than one device")
     return rows, row_bytes
+
+
+def _checked(
+    regions: Sequence[Any], block_ids: Sequence[int], packed: Any, offset: int, what: str
+) -> tuple[list[Any], list[int], int, Any]:
+    """The checks of :func:`demote` and :func:`scatter`: the regions as rows (:func:`_rows`), the
+    block ids, ``packed[offset:]`` holding the lease's bytes, and its device; returns the rows,
+    their bytes, the number of blocks and the KV's device."""
+    rows, row_bytes = _rows(regions)
+    n = _check_ids(block_ids, rows)
+    _check_range(packed, offset, lease_bytes(row_bytes, n), what)
+    device = rows[0].device
+    _check_devices(packed.device, device, what)
+    return rows, row_bytes, n, device
 
 
 def _check_ids(block_ids: Sequence[int], rows: Sequence[Any]) -> int:

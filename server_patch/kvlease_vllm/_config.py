@@ -116,15 +116,13 @@ class KVLeaseConfig:
     #: connector does), so the finished request leaves the scheduler and an idle engine stops
     #: stepping while leases are held. Off: upstream's delayed free (the engine keeps stepping).
     own_block_refs: bool = True
-    #: Cost model defaults, used until the first observation: a NIXL READ measured on an H200
-    #: (benchmarks/gpu_nixl_pull.json): ~3.2 us per descriptor, ~750 GB/s once coalesced, ~5 ms
-    #: fixed. Measured with K and V as separate regions (two descriptors per layer and block, each
-    #: half a page); vLLM 0.32 and 0.33 register one region per layer with K and V packed (one
-    #: descriptor of a whole page). ``pull_per_descriptor_s``, ``default_pull_bandwidth_bps``,
-    #: ``pull_fixed_latency_s``, ``staging_min_descriptors`` and ``staging_bandwidth_bps`` come from
-    #: that run: re-derive them with ``gpu_nixl_pull.py --kv-regions packed``.
+    #: Cost model defaults, used until the first observation: a NIXL READ measured on an H200 with
+    #: the layout vLLM 0.32 and 0.33 register, one region per layer with K and V packed
+    #: (benchmarks/gpu_nixl_pull_packed.json, ``gpu_nixl_pull.py --kv-regions packed``): ~3.4 us
+    #: per descriptor (332.8 ms for 98,304 descriptors at 24k tokens), ~750 GB/s once coalesced,
+    #: ~5 ms fixed.
     default_pull_bandwidth_bps: float = 750.0e9
-    pull_per_descriptor_s: float = 3.2e-6
+    pull_per_descriptor_s: float = 3.4e-6
     default_prefill_tokens_per_s: float = 4000.0
     pull_fixed_latency_s: float = 0.005
     #: Fraction of cost-declined pulls tried anyway, so a wrong default corrects itself.
@@ -147,10 +145,13 @@ class KVLeaseConfig:
     staging_max_tokens: int = 8192
     #: How long P waits for D's gather before pulling block by block instead.
     staging_timeout_s: float = 2.0
-    staging_min_descriptors: int = 2048
-    #: Staged pull rate (gather + one READ + scatter) until measured: H200, 6.4 GB in 18.1 ms with
-    #: the 5 ms fixed cost (benchmarks/gpu_nixl_pull.json, ``staged``).
-    staging_bandwidth_bps: float = 4.9e11
+    #: Below this many descriptors the per-block READ is about as fast as a staged pull: on the
+    #: H200 (packed layout) a staged pull costs ~3 ms more than its bytes, and a descriptor
+    #: ~3.4 us, so they cross near 900 descriptors (1k tokens: per-block 14.0 ms, staged 3.3 ms).
+    staging_min_descriptors: int = 1024
+    #: Staged pull rate (gather + one READ + scatter) until measured: H200, 6.4 GB in 17.4 ms with
+    #: the 5 ms fixed cost (benchmarks/gpu_nixl_pull_packed.json, ``staged``).
+    staging_bandwidth_bps: float = 5.2e11
     #: D: the staging listener's port of TP rank 0 of data-parallel rank 0 (data-parallel rank d,
     #: TP rank r: + d x TP size + r); 0 picks free ports.
     staging_port: int = 0

@@ -19,7 +19,9 @@ import httpx
 import pytest
 
 from kvlease_stack.testing import RedisServer
-from kvlease_vllm._config import check_free_ordering, check_staging_memory, normalize_extra_config
+from kvlease_vllm._config import normalize_extra_config
+
+from ._connector_start import check_connector_start
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "examples" / "deploy"
@@ -75,22 +77,9 @@ def test_node_scripts_start_vllm_with_a_valid_kvlease_config(tmp_path: Path, scr
     assert rec["env"]["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "10.0.0.5"
     # what the connector checks at start on a GPU (vLLM 0.33 schedules asynchronously by default)
     async_scheduling = "--no-async-scheduling" not in argv
-    check_free_ordering(
-        kv_role=role,
-        bidirectional=extra["bidirectional_kv_xfer"],
-        concurrent_batches=2 if async_scheduling else 1,
-        async_scheduling=async_scheduling,
-    )
     util = float(_opts(argv)["--gpu-memory-utilization"])
     assert util == 0.9
-    h200, per_token = 140 << 30, 80 * 2 * 8 * 128 * 2  # a 70B-class model: 320 KiB per token
-    check_staging_memory(
-        staging_bytes=cfg.staging_max_tokens * per_token,
-        staging_tokens=cfg.staging_max_tokens,
-        total_bytes=h200,
-        free_bytes=int(h200 * (1 - util)),
-        gpu_memory_utilization=util,
-    )
+    check_connector_start(role, extra, cfg, async_scheduling=async_scheduling, gpu_memory_utilization=util)
 
 
 def test_node_scripts_take_the_memory_utilization_from_the_environment(tmp_path: Path) -> None:

@@ -25,12 +25,9 @@ yaml = pytest.importorskip("yaml")
 
 from kvlease.protocol import CONTROL_SECRET_ENV  # noqa: E402
 from kvlease_router import cli as router_cli  # noqa: E402
-from kvlease_vllm._config import (  # noqa: E402
-    check_free_ordering,
-    check_staging_memory,
-    check_vllm_version,
-    normalize_extra_config,
-)
+from kvlease_vllm._config import check_vllm_version, normalize_extra_config  # noqa: E402
+
+from ._connector_start import check_connector_start  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "examples" / "deploy" / "kubernetes"
@@ -235,23 +232,11 @@ def test_vllm_nodes_carry_a_valid_kvlease_config(layer: str, name: str, role: st
     # what the connector checks at start: GPU vLLM 0.33 schedules asynchronously unless told not to
     # (vLLM's CPU build never does)
     async_scheduling = layer == "gpu" and "--no-async-scheduling" not in c["args"]
-    check_free_ordering(
-        kv_role=role,
-        bidirectional=extra["bidirectional_kv_xfer"],
-        concurrent_batches=2 if async_scheduling else 1,
-        async_scheduling=async_scheduling,
-    )
+    util: float | None = None
     if layer == "gpu":
         flags = dict(a.split("=", 1) for a in c["args"] if a.startswith("--") and "=" in a)
         util = float(flags["--gpu-memory-utilization"])
-        h200, per_token = 140 << 30, 80 * 2 * 8 * 128 * 2  # a 70B-class model: 320 KiB per token
-        check_staging_memory(
-            staging_bytes=cfg.staging_max_tokens * per_token,
-            staging_tokens=cfg.staging_max_tokens,
-            total_bytes=h200,
-            free_bytes=int(h200 * (1 - util)),
-            gpu_memory_utilization=util,
-        )
+    check_connector_start(role, extra, cfg, async_scheduling=async_scheduling, gpu_memory_utilization=util)
 
 
 def test_prefill_and_decode_agree() -> None:

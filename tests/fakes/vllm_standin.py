@@ -9,6 +9,7 @@ own code: :func:`connector_over_fake_vllm` imports it, :func:`answer_claims` ans
 from __future__ import annotations
 
 import enum
+import importlib
 import logging
 import sys
 import time
@@ -26,6 +27,7 @@ from kvlease_vllm._verify import handle_ext, handle_mac
 BS = 16
 SECRET = "s3cret"
 D_TOKENS = list(range(1000, 1000 + 10 * BS + 5))
+D_IDS = list(range(100, 111))  # d_handle()'s block ids: 11 blocks for D's 165 tokens
 
 
 class _Role(enum.Enum):
@@ -87,26 +89,34 @@ class _FakeNixlConnector:
         return None
 
 
-def connector_over_fake_vllm(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.ModuleType]:
-    """``kvlease_vllm.connector`` imported over a fake vLLM 0.33 on a CUDA platform (the body of
-    each test module's ``connector`` fixture: ``yield from connector_over_fake_vllm(monkeypatch)``)."""
+def import_over_fake_vllm(
+    monkeypatch: pytest.MonkeyPatch,
+    module: str,
+    *,
+    nixl: dict[str, Any] | None = None,
+    role: Any = _Role,
+    device_type: str = "cuda",
+) -> Iterator[types.ModuleType]:
+    """``module`` (a ``kvlease_vllm`` module) imported over a fake vLLM 0.33 whose upstream NIXL
+    classes are ``object`` unless ``nixl`` names them, on a ``device_type`` platform."""
     fakes = {
         "vllm": {"__version__": "0.33.0"},
         "vllm.distributed": {},
         "vllm.distributed.kv_transfer": {},
         "vllm.distributed.kv_transfer.kv_connector": {},
         "vllm.distributed.kv_transfer.kv_connector.v1": {},
-        "vllm.distributed.kv_transfer.kv_connector.v1.base": {"KVConnectorRole": _Role},
+        "vllm.distributed.kv_transfer.kv_connector.v1.base": {"KVConnectorRole": role},
         "vllm.distributed.kv_transfer.kv_connector.v1.nixl": {
-            "NixlConnector": _FakeNixlConnector,
+            "NixlConnector": object,
             "NixlConnectorMetadata": object,
-            "NixlPullConnectorScheduler": _FakeNixlScheduler,
+            "NixlPullConnectorScheduler": object,
             "NixlPullConnectorWorker": object,
+            **(nixl or {}),
         },
         "vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata": {"NIXL_CONNECTOR_VERSION": 15},
         "vllm.envs": {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"},
         "vllm.logger": {"init_logger": logging.getLogger},
-        "vllm.platforms": {"current_platform": types.SimpleNamespace(device_type="cuda")},
+        "vllm.platforms": {"current_platform": types.SimpleNamespace(device_type=device_type)},
         "vllm.v1": {},
         "vllm.v1.request": {"RequestStatus": object},
     }
@@ -114,13 +124,22 @@ def connector_over_fake_vllm(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.
         mod = types.ModuleType(name)
         mod.__dict__.update(attrs)
         monkeypatch.setitem(sys.modules, name, mod)
-    for name in ("kvlease_vllm._compat", "kvlease_vllm.connector"):
+    stale = ("kvlease_vllm._compat", module)
+    for name in stale:
         monkeypatch.delitem(sys.modules, name, raising=False)
-    import kvlease_vllm.connector as c
-
-    yield c
-    for name in ("kvlease_vllm._compat", "kvlease_vllm.connector"):
+    yield importlib.import_module(module)
+    for name in stale:
         sys.modules.pop(name, None)
+
+
+def connector_over_fake_vllm(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.ModuleType]:
+    """``kvlease_vllm.connector`` imported over a fake vLLM 0.33 on a CUDA platform (the body of
+    each test module's ``connector`` fixture: ``yield from connector_over_fake_vllm(monkeypatch)``)."""
+    yield from import_over_fake_vllm(
+        monkeypatch,
+        "kvlease_vllm.connector",
+        nixl={"NixlConnector": _FakeNixlConnector, "NixlPullConnectorScheduler": _FakeNixlScheduler},
+    )
 
 
 class FullAttentionSpec:
@@ -227,7 +246,7 @@ def d_handle(tokens: list[int] = D_TOKENS, **ext_kw: Any) -> dict[str, Any]:
     params: dict[str, Any] = {
         KV.DO_REMOTE_DECODE: True,
         KV.DO_REMOTE_PREFILL: False,
-        KV.REMOTE_BLOCK_IDS: [list(range(100, 111))],
+        KV.REMOTE_BLOCK_IDS: [list(D_IDS)],
         KV.REMOTE_ENGINE_ID: "engine-d",
         KV.REMOTE_REQUEST_ID: "d-1",
         KV.REMOTE_HOST: "127.0.0.1",

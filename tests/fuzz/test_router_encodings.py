@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import gzip
-import logging
 import zlib
 from collections.abc import AsyncIterator, Iterator
 
 import orjson
 import pytest
-from security._cluster import Cluster, running_cluster
+from security._cluster import Cluster, ErrorLog, router_errors, running_cluster
 
 from kvlease.protocol import (
     CHAT_COMPLETIONS_PATH,
@@ -38,29 +37,10 @@ UNDECODED = ["zstd-bogus", "x-gzip", "x-unknown", "gzip, deflate", "compress", "
 LIE = b"plain text, not what the coding says"
 
 
-class _Errors(logging.Handler):
-    """Every ERROR, and every record with a traceback, the router or aiohttp's server logs."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if record.levelno >= logging.ERROR or record.exc_info:
-            self.records.append(record)
-
-
 @pytest.fixture
-def logged_errors() -> Iterator[_Errors]:
-    errors = _Errors()
-    loggers = [logging.getLogger(n) for n in ("kvlease.router", "aiohttp.server", "aiohttp.web", "asyncio")]
-    for lg in loggers:
-        lg.addHandler(errors)
-    try:
+def logged_errors() -> Iterator[ErrorLog]:
+    with router_errors() as errors:
         yield errors
-    finally:
-        for lg in loggers:
-            lg.removeHandler(errors)
 
 
 @pytest.fixture
@@ -124,7 +104,7 @@ def _openai_error(raw: bytes, status: int) -> ErrorBody:
     return err
 
 
-async def test_every_route_and_coding_is_a_4xx_at_worst(cluster: Cluster, logged_errors: _Errors) -> None:
+async def test_every_route_and_coding_is_a_4xx_at_worst(cluster: Cluster, logged_errors: ErrorLog) -> None:
     routes = _routes(cluster)
     posts = {p for m, p in routes if m == "POST"}
     assert posts == set(BODIES), "a new route that reads a body: add it to BODIES"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import gzip
-import logging
 import random
 import threading
 import time
@@ -25,7 +24,7 @@ import orjson
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from security._cluster import Cluster, running_cluster
+from security._cluster import Cluster, router_errors, running_cluster
 
 from kvlease.protocol import (
     CHAT_COMPLETIONS_PATH,
@@ -268,18 +267,6 @@ ENCODINGS = [
 ]
 
 
-class _Errors(logging.Handler):
-    """Every ERROR (or any record with a traceback) the router or aiohttp's server logs."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if record.levelno >= logging.ERROR or record.exc_info:
-            self.records.append(record)
-
-
 def _bulk_request(rng: random.Random, i: int) -> tuple[str, str, bytes | None, dict[str, str]]:
     """One request: mostly chat turns (valid, mutated or garbage), with random content codings."""
     kind = rng.random()
@@ -324,10 +311,6 @@ def _bulk_request(rng: random.Random, i: int) -> tuple[str, str, bytes | None, d
 
 
 def test_ten_thousand_requests_no_5xx_no_router_exception(router_url: str) -> None:
-    errors = _Errors()
-    loggers = [logging.getLogger(n) for n in ("kvlease.router", "aiohttp.server", "aiohttp.web", "asyncio")]
-    for lg in loggers:
-        lg.addHandler(errors)
     rng = random.Random(15)
     statuses: Counter[int] = Counter()
     fives: list[tuple[Any, ...]] = []
@@ -353,11 +336,8 @@ def test_ten_thousand_requests_no_5xx_no_router_exception(router_url: str) -> No
             await asyncio.gather(*(worker(k) for k in range(16)))
 
     t0 = time.monotonic()
-    try:
+    with router_errors() as errors:
         asyncio.run(run())
-    finally:
-        for lg in loggers:
-            lg.removeHandler(errors)
     elapsed = time.monotonic() - t0
     print(f"fuzz 10k: {dict(statuses)} in {elapsed:.1f} s")
     assert sum(statuses.values()) == BULK

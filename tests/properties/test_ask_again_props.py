@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from fakes.vllm_standin import (
     BS,
+    D_IDS,
     D_TOKENS,
     NEW_TURN,
     SECRET,
@@ -39,7 +40,6 @@ SETTINGS = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
-D_IDS = list(range(100, 111))  # d_handle()'s block ids
 _ids = itertools.count()
 
 

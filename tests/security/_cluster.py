@@ -7,8 +7,9 @@ this is the same construction, kept small).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+import logging
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +23,7 @@ from kvlease_router._runtime import RouterRuntime
 from kvlease_stack.testing import FakeConfig, FakePair, chat_request, pair_settings, parse_sse, serve
 from kvlease_stack.testing import reply_text as parsed_reply_text
 
-__all__ = ["Cluster", "Listener", "parse_sse", "reply_text", "running_cluster"]
+__all__ = ["Cluster", "ErrorLog", "Listener", "parse_sse", "reply_text", "router_errors", "running_cluster"]
 
 SECRET = "fake-secret"
 
@@ -131,3 +132,29 @@ class Listener:
         assert self._server is not None
         self._server.close()
         await self._server.wait_closed()
+
+
+class ErrorLog(logging.Handler):
+    """Every ERROR, and every record with a traceback, the router or aiohttp's server logs."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno >= logging.ERROR or record.exc_info:
+            self.records.append(record)
+
+
+@contextmanager
+def router_errors() -> Iterator[ErrorLog]:
+    """An :class:`ErrorLog` on the router's, aiohttp's and asyncio's loggers while the block runs."""
+    errors = ErrorLog()
+    loggers = [logging.getLogger(n) for n in ("kvlease.router", "aiohttp.server", "aiohttp.web", "asyncio")]
+    for lg in loggers:
+        lg.addHandler(errors)
+    try:
+        yield errors
+    finally:
+        for lg in loggers:
+            lg.removeHandler(errors)

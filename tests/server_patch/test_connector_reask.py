@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from fakes.vllm_standin import (
     BS,
+    D_IDS,
     D_TOKENS,
     NEW_TURN,
     SECRET,
@@ -38,7 +39,6 @@ from kvlease_vllm._metrics import ConnectorMetrics
 from kvlease_vllm._retention import RetentionTable
 from kvlease_vllm._verify import Reason
 
-D_IDS = list(range(100, 111))  # d_handle()'s block ids: 11 blocks for D's 165 tokens
 EDITED = list(D_TOKENS)
 EDITED[6 * BS] = 1  # an earlier turn edited (or a think block stripped): only 6 blocks verify
 

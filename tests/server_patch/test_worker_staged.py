@@ -10,14 +10,13 @@ bytes when the test says it is done.
 
 from __future__ import annotations
 
-import logging
-import sys
 import time
 import types
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from fakes.vllm_standin import import_over_fake_vllm
 
 from kvlease.protocol._staging import STAGING_OP_STAGE, StagingRefusal, StagingRequest
 from kvlease_vllm import _staging
@@ -114,37 +113,13 @@ class _StubUpstreamWorker:
 @pytest.fixture
 def worker_mod(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.ModuleType]:
     """``kvlease_vllm._worker`` imported over a fake vLLM 0.33 whose NIXL worker is the stand-in."""
-    fakes = {
-        "vllm": {"__version__": "0.33.0"},
-        "vllm.distributed": {},
-        "vllm.distributed.kv_transfer": {},
-        "vllm.distributed.kv_transfer.kv_connector": {},
-        "vllm.distributed.kv_transfer.kv_connector.v1": {},
-        "vllm.distributed.kv_transfer.kv_connector.v1.base": {"KVConnectorRole": object},
-        "vllm.distributed.kv_transfer.kv_connector.v1.nixl": {
-            "NixlConnector": object,
-            "NixlConnectorMetadata": object,
-            "NixlPullConnectorScheduler": object,
-            "NixlPullConnectorWorker": _StubUpstreamWorker,
-        },
-        "vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata": {"NIXL_CONNECTOR_VERSION": 15},
-        "vllm.envs": {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"},
-        "vllm.logger": {"init_logger": logging.getLogger},
-        "vllm.platforms": {"current_platform": types.SimpleNamespace(device_type="cpu")},
-        "vllm.v1": {},
-        "vllm.v1.request": {"RequestStatus": object},
-    }
-    for name, attrs in fakes.items():
-        mod = types.ModuleType(name)
-        mod.__dict__.update(attrs)
-        monkeypatch.setitem(sys.modules, name, mod)
-    for name in ("kvlease_vllm._compat", "kvlease_vllm._worker"):
-        monkeypatch.delitem(sys.modules, name, raising=False)
-    import kvlease_vllm._worker as w
-
-    yield w
-    for name in ("kvlease_vllm._compat", "kvlease_vllm._worker"):
-        sys.modules.pop(name, None)
+    yield from import_over_fake_vllm(
+        monkeypatch,
+        "kvlease_vllm._worker",
+        nixl={"NixlPullConnectorWorker": _StubUpstreamWorker},
+        role=object,
+        device_type="cpu",
+    )
 
 
 def _kv(seed: int) -> torch.Tensor:

@@ -9,7 +9,7 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import typer
 from rich.console import Console
@@ -120,6 +120,16 @@ def cluster_kv(
     return ModelKV(layers or 0, kv_heads or 0, head_dim or 0, dtype)
 
 
+def _cluster_option(default: Any, *flags: str, **kwargs: Any) -> Any:
+    """An option of ``--cluster`` mode (its own panel in ``--help``)."""
+    return typer.Option(default, *flags, rich_help_panel="Cluster", **kwargs)
+
+
+def _warn_malformed(err: Console, source: dict[str, Any]) -> None:
+    if source.get("malformed"):
+        err.print(f"warning: {source['malformed']:,} malformed records skipped", highlight=False)
+
+
 def plan_command(
     file: Path = typer.Argument(
         ...,
@@ -177,98 +187,55 @@ def plan_command(
         dir_okay=False,
         help="Write a PNG: hit rate and reused tokens against the retention cap per node.",
     ),
-    cluster: bool = typer.Option(
+    cluster: bool = _cluster_option(
         False,
         "--cluster",
         help="Session-level mode: simulate P and D nodes, tiers and TTFT for five policies "
         "(models 8b, 32b, 70b; --nodes counts D nodes).",
-        rich_help_panel="Cluster",
     ),
-    p_nodes: int | None = typer.Option(
-        None, "--p-nodes", min=1, help="Prefill nodes (default: --nodes).", rich_help_panel="Cluster"
+    p_nodes: int | None = _cluster_option(None, "--p-nodes", min=1, help="Prefill nodes (default: --nodes)."),
+    gpus: int | None = _cluster_option(None, "--gpus", min=1, help="GPUs per node (default: the class's)."),
+    prefill_tps: float | None = _cluster_option(
+        None, "--prefill-tps", min=0, help="Prefill tokens/s per P node."
     ),
-    gpus: int | None = typer.Option(
-        None, "--gpus", min=1, help="GPUs per node (default: the class's).", rich_help_panel="Cluster"
+    decode_tps: float | None = _cluster_option(
+        None, "--decode-tps", min=0, help="Decode tokens/s of one sequence."
     ),
-    prefill_tps: float | None = typer.Option(
-        None, "--prefill-tps", min=0, help="Prefill tokens/s per P node.", rich_help_panel="Cluster"
+    hbm_kv: str | None = _cluster_option(None, "--hbm-kv", help="KV cache (HBM) per node, e.g. 60GB."),
+    host_mem: str | None = _cluster_option(None, "--host-mem", help="Host arena per D node, e.g. 1TB."),
+    p_cache: str | None = _cluster_option(None, "--p-cache", help="P's prefix cache per P node (0: off)."),
+    nic_gbps: float | None = _cluster_option(
+        None, "--nic-gbps", min=0, help="NIC GB/s per GPU (default 50)."
     ),
-    decode_tps: float | None = typer.Option(
-        None, "--decode-tps", min=0, help="Decode tokens/s of one sequence.", rich_help_panel="Cluster"
+    host_pull_gbps: float | None = _cluster_option(
+        None, "--host-pull-gbps", min=0, help="Host tier pull GB/s (default 0.9, measured)."
     ),
-    hbm_kv: str | None = typer.Option(
-        None, "--hbm-kv", help="KV cache (HBM) per node, e.g. 60GB.", rich_help_panel="Cluster"
+    demote_gbps: float | None = _cluster_option(
+        None, "--demote-gbps", min=0, help="D2H demotion GB/s (default 53, measured)."
     ),
-    host_mem: str | None = typer.Option(
-        None, "--host-mem", help="Host arena per D node, e.g. 1TB.", rich_help_panel="Cluster"
+    per_block_pull: bool = _cluster_option(
+        False, "--per-block-pull", help="Device pulls as per-block READs, not staged."
     ),
-    p_cache: str | None = typer.Option(
-        None, "--p-cache", help="P's prefix cache per P node (0: off).", rich_help_panel="Cluster"
+    retained_fraction: float = _cluster_option(
+        0.5, "--retained-fraction", min=0.0, max=1.0, help="Leases' cap: share of D's KV cache."
     ),
-    nic_gbps: float | None = typer.Option(
-        None, "--nic-gbps", min=0, help="NIC GB/s per GPU (default 50).", rich_help_panel="Cluster"
+    ttft_target: float = _cluster_option(
+        2.0, "--ttft-target", min=0.0, help="TTFT p90 target, seconds (the sessions sweep)."
     ),
-    host_pull_gbps: float | None = typer.Option(
-        None,
-        "--host-pull-gbps",
-        min=0,
-        help="Host tier pull GB/s (default 0.9, measured).",
-        rich_help_panel="Cluster",
-    ),
-    demote_gbps: float | None = typer.Option(
-        None,
-        "--demote-gbps",
-        min=0,
-        help="D2H demotion GB/s (default 53, measured).",
-        rich_help_panel="Cluster",
-    ),
-    per_block_pull: bool = typer.Option(
-        False,
-        "--per-block-pull",
-        help="Device pulls as per-block READs, not staged.",
-        rich_help_panel="Cluster",
-    ),
-    retained_fraction: float = typer.Option(
-        0.5,
-        "--retained-fraction",
-        min=0.0,
-        max=1.0,
-        help="Leases' cap: share of D's KV cache.",
-        rich_help_panel="Cluster",
-    ),
-    ttft_target: float = typer.Option(
-        2.0,
-        "--ttft-target",
-        min=0.0,
-        help="TTFT p90 target, seconds (the sessions sweep).",
-        rich_help_panel="Cluster",
-    ),
-    sessions: int | None = typer.Option(
+    sessions: int | None = _cluster_option(
         None,
         "--sessions",
         min=1,
         help="Load: this many concurrent sessions (default: the trace's start times).",
-        rich_help_panel="Cluster",
     ),
-    sweep: bool = typer.Option(
-        True,
-        "--sweep/--no-sweep",
-        help="Find the sessions per D node under the TTFT target.",
-        rich_help_panel="Cluster",
+    sweep: bool = _cluster_option(
+        True, "--sweep/--no-sweep", help="Find the sessions per D node under the TTFT target."
     ),
-    jobs: int | None = typer.Option(
-        None,
-        "--jobs",
-        min=1,
-        help="Processes for the policies (default: one per CPU on large traces).",
-        rich_help_panel="Cluster",
+    jobs: int | None = _cluster_option(
+        None, "--jobs", min=1, help="Processes for the policies (default: one per CPU on large traces)."
     ),
-    per_turn: Path | None = typer.Option(
-        None,
-        "--per-turn",
-        dir_okay=False,
-        help="Write each simulated turn (policy, source, TTFT) as JSONL.",
-        rich_help_panel="Cluster",
+    per_turn: Path | None = _cluster_option(
+        None, "--per-turn", dir_okay=False, help="Write each simulated turn (policy, source, TTFT) as JSONL."
     ),
 ) -> None:
     """How much decode memory would leases hold for this traffic, and what hit rate does each amount buy?
@@ -328,8 +295,7 @@ def plan_command(
             sys.stdout.write(cluster_json_text(cplan) + "\n")
         else:
             render_cluster(cplan, Console())
-        if cplan.source.get("malformed"):
-            err.print(f"warning: {cplan.source['malformed']:,} malformed records skipped", highlight=False)
+        _warn_malformed(err, cplan.source)
         return
     if dtype not in DTYPE_BYTES:
         raise typer.BadParameter(f"one of {', '.join(DTYPE_BYTES)}", param_hint="--dtype")
@@ -357,8 +323,7 @@ def plan_command(
         sys.stdout.write(to_json_text(result) + "\n")
     else:
         render(result, Console())
-    if result.source.get("malformed"):
-        err.print(f"warning: {result.source['malformed']:,} malformed records skipped", highlight=False)
+    _warn_malformed(err, result.source)
     if plot is not None:
         from kvlease._analyze._plan_plot import plot_plan
 
