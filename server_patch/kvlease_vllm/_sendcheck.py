@@ -40,7 +40,7 @@ from typing import Any, Final
 from kvlease.protocol import KV, ProtocolError
 from kvlease.protocol._control import read_send_check_answer, send_check_call
 from kvlease.protocol._control_client import send
-from kvlease.protocol._handle import SendCheck, send_check_mac
+from kvlease.protocol._sendcheck import SendCheck, send_check_mac
 
 logger = logging.getLogger("vllm.kvlease.sendcheck")  # under vLLM's handler inside a server
 

@@ -25,7 +25,7 @@ import pytest
 from kvlease.protocol import KV, KV_TRANSFER_PARAMS, prefill_request_params
 from kvlease.protocol._control import read_send_check_answer, send_check_call
 from kvlease.protocol._control_client import send
-from kvlease.protocol._handle import SendCheck
+from kvlease.protocol._sendcheck import SendCheck
 from kvlease_stack import Stack, StackSpec
 
 from ._faults import wait_until

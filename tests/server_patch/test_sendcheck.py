@@ -17,7 +17,7 @@ import pytest
 from kvlease.protocol import KV, ControlCallError, ControlInfo, ProtocolError, Role
 from kvlease.protocol._control import SendCheckResponse, read_send_check_answer, send_check_call
 from kvlease.protocol._control_client import send
-from kvlease.protocol._handle import SendCheck, send_check_mac
+from kvlease.protocol._sendcheck import SendCheck, send_check_mac
 from kvlease_vllm._control import ControlServer, LeaseDesk
 from kvlease_vllm._metrics import ConnectorMetrics
 from kvlease_vllm._retention import RetentionTable
