@@ -27,9 +27,9 @@ Rules:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
 #: Released leases whose free the worker never confirms are forgotten after this long.
 RELEASING_GRACE_S: Final = 120.0
@@ -271,3 +271,28 @@ class RetentionTable:
             freed += lease.blocks
             released.append(lease.lease_id)
         return released
+
+
+class BlockRefs:
+    """D: kvlease's own references on leased requests' blocks (``kvlease.own_block_refs``), so the
+    finished request needs no delayed free and leaves vLLM's scheduler at once. ``pool`` is vLLM's
+    ``BlockPool`` (``touch`` takes a reference, ``free_blocks`` drops one)."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, list[int]] = {}
+
+    def take(self, pool: Any, rid: str, groups: Iterable[Iterable[int]]) -> None:
+        """One reference per block P may read (upstream hands out only those)."""
+        ids = list(dict.fromkeys(int(b) for g in groups for b in g))
+        pool.touch([pool.blocks[i] for i in ids])
+        self._held[rid] = ids
+
+    def drop(self, pool: Any, rids: Iterable[str]) -> list[str]:
+        """Drop the references of those of ``rids`` held here (read, expired or released); returns
+        them. Tail first, so the shared prefix is evicted last."""
+        dropped = [rid for rid in rids if rid in self._held]
+        for rid in dropped:
+            ids = self._held.pop(rid)
+            if pool is not None:
+                pool.free_blocks(pool.blocks[i] for i in reversed(ids))
+        return dropped

@@ -66,7 +66,7 @@ from kvlease_vllm._guards import (
 from kvlease_vllm._layout import kv_regions, pull_shape, transport_advice
 from kvlease_vllm._metrics import ConnectorMetrics
 from kvlease_vllm._pull import Pull, claim_outcome, final_trim, reclaim_waiting, submit_unclaim
-from kvlease_vllm._retention import RetentionTable
+from kvlease_vllm._retention import BlockRefs, RetentionTable
 from kvlease_vllm._verify import (
     HandleRejected,
     Reason,
@@ -133,6 +133,7 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
             int(parallel.prefill_context_parallel_size or 1),
         )
         self.hybrid = bool(self._is_hma_required)
+        self.multi_group = self.hybrid or len(kv_cache_config.transfer_groups) > 1
         self.kv_regions = kv_regions(kv_cache_config)  # registered NIXL regions (one per layer)
         buffer = getattr(vllm_config.kv_transfer_config, "kv_buffer_device", None)
         level, self.transport = transport_advice(PLATFORM_DEVICE_TYPE, os.environ, buffer)
@@ -141,8 +142,7 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
         #: Blocks each waiting request asked about this step still needs (dropped once allocated):
         #: what is left at the end of the step could not get its blocks.
         self._waiting_blocks: dict[str, int] = {}
-        #: D: leased request -> the block ids it holds its own reference on (own_block_refs).
-        self._owned: dict[str, list[int]] = {}
+        self._owned = BlockRefs()  # D: its own references on leased blocks (own_block_refs)
         self._claims = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvlease-claim")
         self.sends = _sendcheck.SendDesk(self.secret)  # P: its P->D sends, for D's post-read check
         self.control = ControlServer(
@@ -406,22 +406,9 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
         if self.secret:  # the MAC covers the routing fields of upstream's dict and the object
             ext = replace(ext, mac=handle_mac(self.secret, {**out, KV.KVLEASE: ext.to_json()}))
         if self.cfg.own_block_refs and self.block_pool is not None:
-            delay = self._own_blocks(rid, out.get(KV.REMOTE_BLOCK_IDS) or ())
+            self._owned.take(self.block_pool, rid, out.get(KV.REMOTE_BLOCK_IDS) or ())
+            delay = False  # our reference holds the blocks: no delayed free
         return delay, {**out, KV.KVLEASE: ext.to_json()}
-
-    def _own_blocks(self, rid: str, groups: Any) -> bool:
-        """Take our own reference on the blocks P may read (upstream hands out only those), so the
-        request's delayed free is not needed; returns the ``delay_free_blocks`` for vLLM (False)."""
-        assert self.block_pool is not None
-        ids = list(dict.fromkeys(int(b) for g in groups for b in g))  # one reference per block
-        self.block_pool.touch([self.block_pool.blocks[i] for i in ids])
-        self._owned[rid] = ids
-        return False
-
-    def _free_owned(self, rid: str) -> None:
-        ids = self._owned.pop(rid)
-        if self.block_pool is not None:  # tail first, so the shared prefix is evicted last
-            self.block_pool.free_blocks(self.block_pool.blocks[i] for i in reversed(ids))
 
     def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
         self._waiting_blocks.pop(request.request_id, None)
@@ -456,8 +443,7 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
         ``cap_external_hit`` and the prefix-replay truncation may lower it after
         ``get_num_new_matched_tokens``), never past the verified prefix (``_pull.final_trim``)."""
         pull.trimmed = True
-        hybrid = self.hybrid or len(self.kv_cache_config.transfer_groups) > 1
-        trim = final_trim(pull, blocks, num_external_tokens, self.block_size, hybrid=hybrid)
+        trim = final_trim(pull, blocks, num_external_tokens, self.block_size, hybrid=self.multi_group)
         if trim.reason is not Reason.PULL:
             self._decline(request, request.kv_transfer_params or {}, trim.reason, trim.detail, warn=trim.warn)
         elif trim.detail:
@@ -513,12 +499,10 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
         sent = connector_output.finished_sending or set()
         self.sends.ended(sent)
         self.desk.forget(sent)
-        owned = [rid for rid in sent if rid in self._owned]
+        # read, expired or released: drop our reference; the scheduler no longer knows these
+        # requests (it freed them at finish), so they must not reach its finished_sending loop
+        owned = self._owned.drop(self.block_pool, sent) if sent else ()
         if owned:
-            # read, expired or released: drop our reference; the scheduler no longer knows these
-            # requests (it freed them at finish), so they must not reach its finished_sending loop
-            for rid in owned:
-                self._free_owned(rid)
             connector_output.finished_sending = set(sent).difference(owned)
         failed = connector_output.failed_recving or set()
         now = time.perf_counter()
