@@ -81,6 +81,57 @@ def pack_plan(row_bytes: Sequence[int], blocks: int, chunk_bytes: int) -> list[l
     return chunks
 
 
+def promote_plan(
+    row_bytes: Sequence[int], lease_blocks: int, positions: Sequence[int]
+) -> list[tuple[int, int, int]]:
+    """The copies that lay out the blocks at ``positions`` (indexes into a lease of ``lease_blocks``
+    blocks packed by :func:`demote`) as a staged gather of those blocks would: region-major, in
+    ``positions`` order. ``(source offset in the lease's range, destination offset, bytes)``, runs
+    of consecutive positions merged into one copy per region."""
+    if any(not 0 <= p < lease_blocks for p in positions):
+        raise ArenaCopyError(f"a position outside the lease's {lease_blocks} blocks")
+    runs: list[tuple[int, int, int]] = []  # (first position, first index in the request, length)
+    for k, pos in enumerate(positions):
+        if runs and runs[-1][0] + runs[-1][2] == pos:
+            first, at, n = runs[-1]
+            runs[-1] = (first, at, n + 1)
+        else:
+            runs.append((pos, k, 1))
+    out: list[tuple[int, int, int]] = []
+    m = len(positions)
+    before = 0
+    for row in row_bytes:
+        for first, at, n in runs:
+            out.append((lease_blocks * before + first * row, m * before + at * row, n * row))
+        before += row
+    return out
+
+
+def promote_pieces(
+    arena: Any,
+    offset: int,
+    pieces: Sequence[tuple[int, int, int]],
+    staging: Any,
+    staging_offset: int,
+    *,
+    stream: Any = None,
+    after: Any = None,
+) -> CopyHandle:
+    """:func:`promote` of the ``pieces`` of :func:`promote_plan`: ``arena[offset + src]`` to
+    ``staging[staging_offset + dst]``, all on one side stream."""
+    if not pieces:
+        return CopyHandle()
+    end = max(src + n for src, _, n in pieces)
+    _check_range(arena, offset, end, "arena")
+    _check_range(staging, staging_offset, max(dst + n for _, dst, n in pieces), "staging buffer")
+    device = staging.device if staging.device.type != "cpu" else arena.device
+    with _on(stream, after, device) as side:
+        for src, dst, n in pieces:
+            a, b = offset + src, staging_offset + dst
+            staging[b : b + n].copy_(arena[a : a + n], non_blocking=True)
+        return _finish(side, (arena, staging))
+
+
 class CopyHandle:
     """A copy in flight: :meth:`done` polls it, :meth:`wait` blocks until it is over. Holds what
     the copy reads and writes until then (pinned index tensors, scratch chunks)."""

@@ -160,6 +160,28 @@ class KVLeaseConfig:
     #: spin). Measured: idle 1.00 -> 0.014 cores on an H200 host with READ times unchanged
     #: (benchmarks/RESULTS.md). 0 keeps NIXL's spin.
     nixl_progress_delay_us: int = 1000
+    #: D: where a lease's KV lives once its request finished (``kvlease_vllm._hostlease``).
+    #: ``device``: D holds its blocks in GPU memory until the lease ends (the retention cap bounds
+    #: them); ``auto``: D writes them through to its host arena and gives the blocks back to vLLM
+    #: (prefix-cached and evictable), serving a pull from the device copy while it is provably
+    #: intact, else from the arena; ``host``: the same, never from the device copy. None: ``auto``
+    #: when ``host_arena_bytes`` > 0, else ``device``.
+    placement: str | None = None
+    #: D: bytes of each worker's host arena (its shard of every lease placed there); pinned on
+    #: CUDA. 0: no arena (``placement`` device). Refused at start when host memory cannot hold it.
+    host_arena_bytes: int = 0
+    #: A lease's whole life, whatever its heartbeats (seconds from its request's finish).
+    max_lease_lifetime_s: float = 4 * 3600.0
+    #: D: how fast the arena promotes a lease into the staging buffer (bytes/s), for P's cost
+    #: model of a pull from a host-placed lease: H200, 6 GiB pinned host -> VRAM in 116.5 ms
+    #: (benchmarks/RESULTS.md, ``gpu_arena.py``).
+    arena_bandwidth_bps: float = 5.3e10
+
+    def resolved_placement(self) -> str:
+        """``placement`` with its default applied."""
+        if self.placement is not None:
+            return self.placement
+        return PLACEMENT_AUTO if self.host_arena_bytes > 0 else PLACEMENT_DEVICE
 
     def secret(self, environ: Mapping[str, str] | None = None) -> str | None:
         env = os.environ if environ is None else environ
@@ -220,6 +242,8 @@ _FLOAT_RANGES: Final[dict[str, tuple[float, float, bool]]] = {
     "pull_fixed_latency_s": (0.0, 60.0, True),
     "staging_timeout_s": (0.0, 60.0, False),
     "staging_bandwidth_bps": (0.0, 1e15, False),
+    "max_lease_lifetime_s": (0.0, 30 * 86_400.0, False),
+    "arena_bandwidth_bps": (0.0, 1e15, False),
 }
 #: Integer keys: name -> (lo, hi), both inclusive.
 _INT_RANGES: Final[dict[str, tuple[int, int]]] = {
@@ -229,9 +253,15 @@ _INT_RANGES: Final[dict[str, tuple[int, int]]] = {
     "staging_min_descriptors": (0, 1 << 30),
     "staging_port": (0, 65535),
     "nixl_progress_delay_us": (0, 1_000_000),
+    "host_arena_bytes": (0, 1 << 50),
 }
 #: ``staging`` values: never, when it pays, whenever it fits.
 STAGING_MODES: Final = ("off", "auto", "always")
+#: ``placement`` values (see :class:`KVLeaseConfig`).
+PLACEMENT_DEVICE: Final = "device"
+PLACEMENT_AUTO: Final = "auto"
+PLACEMENT_HOST: Final = "host"
+PLACEMENTS: Final = (PLACEMENT_DEVICE, PLACEMENT_AUTO, PLACEMENT_HOST)
 
 
 def parse_kvlease_config(raw: object) -> KVLeaseConfig:
@@ -262,6 +292,10 @@ def parse_kvlease_config(raw: object) -> KVLeaseConfig:
             if value not in STAGING_MODES:
                 raise ConfigError(f"{key} must be one of {', '.join(STAGING_MODES)}, got {value!r}")
             out[name] = value
+        elif name == "placement":
+            if value is not None and value not in PLACEMENTS:
+                raise ConfigError(f"{key} must be one of {', '.join(PLACEMENTS)} or null, got {value!r}")
+            out[name] = value
         elif name in _INT_RANGES:
             lo_i, hi_i = _INT_RANGES[name]
             if not isinstance(value, int) or isinstance(value, bool) or not lo_i <= value <= hi_i:
@@ -282,7 +316,59 @@ def parse_kvlease_config(raw: object) -> KVLeaseConfig:
             if not (isinstance(value, str) and value) and not (nullable and value is None):
                 raise ConfigError(f"{key} must be a non-empty string, got {value!r}")
             out[name] = value
-    return KVLeaseConfig(**out)
+    cfg = KVLeaseConfig(**out)
+    check_placement(cfg)
+    return cfg
+
+
+def check_placement(cfg: KVLeaseConfig) -> None:
+    """Refuse a placement kvlease cannot serve (:class:`ConfigError` naming the key).
+
+    A lease placed in the host arena is served only by a staged pull (D promotes it into its
+    staging buffer): its device blocks are not held, so upstream's per-block READ of them could
+    read blocks vLLM gave to another request."""
+    placement = cfg.resolved_placement()
+    if placement == PLACEMENT_DEVICE:
+        return
+    what = f"kvlease.placement={placement!r}"
+    if cfg.host_arena_bytes <= 0:
+        raise ConfigError(
+            f"{what} needs a host arena: set kvlease.host_arena_bytes > 0 (or placement 'device')"
+        )
+    if cfg.staging == "off":
+        raise ConfigError(
+            f"{what} serves pulls from the host arena through the staging buffer: kvlease.staging "
+            "must not be 'off' (or set placement 'device')"
+        )
+    if cfg.staging_max_tokens == 0:
+        raise ConfigError(f"{what} needs a staging buffer: kvlease.staging_max_tokens must be > 0")
+    if not cfg.own_block_refs:
+        raise ConfigError(
+            f"{what} gives a lease's blocks back to vLLM once written through, which needs "
+            "kvlease.own_block_refs=true (upstream's delayed free holds them in the scheduler)"
+        )
+
+
+#: Host memory the arena must leave to everything else on the node (vLLM's processes, the page
+#: cache, pinned staging): a judgement, not a measurement.
+ARENA_HEADROOM_BYTES: Final = 4 << 30
+
+
+def check_arena_memory(*, arena_bytes: int, workers_on_host: int, available_bytes: int) -> None:
+    """Refuse an arena that host memory cannot hold (:class:`ConfigError` naming
+    ``kvlease.host_arena_bytes``): every worker of this node on the host allocates one, and
+    :data:`ARENA_HEADROOM_BYTES` stays free."""
+    need = arena_bytes * max(workers_on_host, 1) + ARENA_HEADROOM_BYTES
+    if need <= available_bytes:
+        return
+    gib = 1 << 30
+    fits = max((available_bytes - ARENA_HEADROOM_BYTES) // max(workers_on_host, 1), 0)
+    raise ConfigError(
+        f"kvlease.host_arena_bytes={arena_bytes} ({arena_bytes / gib:.1f} GiB per worker, "
+        f"{workers_on_host} worker(s) on this host) with {ARENA_HEADROOM_BYTES / gib:.0f} GiB spare does "
+        f"not fit in the {available_bytes / gib:.1f} GiB of host memory available: set "
+        f"kvlease.host_arena_bytes to at most {fits} (or 0 for no arena)"
+    )
 
 
 def normalize_extra_config(extra: MutableMapping[str, Any]) -> tuple[KVLeaseConfig, list[str]]:

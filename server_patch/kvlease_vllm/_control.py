@@ -22,12 +22,10 @@ bound new work is refused by closing the connection. A body the endpoint does no
 
 from __future__ import annotations
 
-import heapq
 import hmac
 import json
 import logging
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from http import HTTPStatus
@@ -40,7 +38,6 @@ from kvlease.protocol import (
     CONTROL_METRICS_PATH,
     CONTROL_RELEASE_PATH,
     CONTROL_RENEW_PATH,
-    LEASE_STATUS_MAX_TENANTS,
     ControlClient,
     ControlInfo,
     ControlReleaseRequest,
@@ -48,14 +45,12 @@ from kvlease.protocol import (
     ControlRenewRequest,
     ControlRenewResponse,
     ErrorBody,
-    LeaseStatus,
     ProtocolError,
-    TenantLeases,
 )
 from kvlease.protocol._control import CONTROL_SEND_CHECK_PATH, SendCheckRequest, SendCheckResponse
 from kvlease_vllm._control_http import Conn, PooledHTTPServer, Writer
-from kvlease_vllm._metrics import CONTENT_TYPE_LATEST, ConnectorMetrics
-from kvlease_vllm._retention import AddResult, RetentionTable
+from kvlease_vllm._desk import LeaseDesk
+from kvlease_vllm._metrics import CONTENT_TYPE_LATEST
 from kvlease_vllm._sendcheck import SendDesk
 
 logger = logging.getLogger("vllm.kvlease.control")  # under vLLM's handler inside a server
@@ -63,141 +58,6 @@ logger = logging.getLogger("vllm.kvlease.control")  # under vLLM's handler insid
 MAX_BODY_BYTES: Final = 1 << 20
 #: An unread body up to this size is drained (keep-alive survives); a larger one closes the connection.
 DRAIN_MAX_BYTES: Final = 64 << 10
-#: Ids renewed per hold of the lock the scheduler shares.
-RENEW_CHUNK: Final = 256
-
-
-class LeaseDesk:
-    """A :class:`RetentionTable` shared by the scheduler thread and the control endpoint's threads."""
-
-    def __init__(
-        self,
-        table: RetentionTable,
-        metrics: ConnectorMetrics,
-        clock: Callable[[], float] = time.perf_counter,
-    ) -> None:
-        self._table = table
-        self._lock = threading.Lock()
-        self.metrics = metrics
-        self.clock = clock
-        metrics.capacity_blocks.set(table.capacity_blocks)
-
-    # control endpoint side
-    def renew(
-        self,
-        ids: tuple[str, ...],
-        ttl: float,
-        *,
-        pin: bool = False,
-        claimant: str | None = None,
-        deadlines: dict[str, float] | None = None,
-        tenant: str | None = None,
-    ) -> dict[str, float | None]:
-        """Seconds left per id (None: unknown, or claimed by another reader); ``deadlines``, when
-        given, receives the absolute deadlines (this clock) of the leases renewed. ``tenant``: the
-        opaque tenant tag the leases are counted under (the per-tenant retention quota; a lease is
-        tagged at creation already, :meth:`add`).
-
-        The scheduler shares the lock, so it is taken per :data:`RENEW_CHUNK` ids and holds only the
-        table updates; the answer is built outside it (a 10,000-id renew never holds the scheduler
-        for more than one chunk's worth of dict updates)."""
-        out: dict[str, float | None] = {}
-        table = self._table
-        for start in range(0, len(ids), RENEW_CHUNK):
-            chunk = ids[start : start + RENEW_CHUNK]
-            with self._lock:
-                now = self.clock()
-                got = [table.renew(lid, ttl, now, pin=pin, claimant=claimant, tenant=tenant) for lid in chunk]
-            for lid, deadline in zip(chunk, got):
-                out[lid] = None if deadline is None else deadline - now
-                if deadline is not None and deadlines is not None:
-                    deadlines[lid] = deadline
-        ok = sum(v is not None for v in out.values())
-        self.metrics.renewals.labels("ok").inc(ok)
-        self.metrics.renewals.labels("unknown").inc(len(out) - ok)
-        return out
-
-    def release(self, ids: tuple[str, ...], cause: str = "request") -> int:
-        with self._lock:
-            now = self.clock()
-            n = sum(self._table.release(lid, now) for lid in ids)
-            self._gauges()
-        self.metrics.releases.labels(cause).inc(n)
-        return n
-
-    def unclaim(self, ids: tuple[str, ...], claimant: str) -> int:
-        """``claimant`` will not read these leases after all: end its pins (the leases stay)."""
-        with self._lock:
-            now = self.clock()
-            return sum(self._table.unpin(lid, claimant, now) for lid in ids)
-
-    # scheduler side
-    def add(self, lease_id: str, blocks: int, deadline: float, tenant: str | None = None) -> AddResult:
-        """A finished request's lease, tagged at creation with ``tenant`` (the router's opaque tag
-        from D's request, :func:`kvlease.protocol.tenant_tag_of`; None: untagged)."""
-        with self._lock:
-            result = self._table.add(lease_id, blocks, deadline, self.clock(), tenant=tenant)
-            self._gauges()
-        if result.released:
-            self.metrics.releases.labels("cap").inc(len(result.released))
-        return result
-
-    def forget(self, lease_ids: set[str] | list[str]) -> None:
-        if not lease_ids:
-            return
-        with self._lock:
-            for lid in lease_ids:
-                self._table.forget(lid)
-            self._gauges()
-
-    def relieve(self, blocks_needed: int, *, limit: int | None = None) -> list[str]:
-        with self._lock:
-            released = self._table.relieve(blocks_needed, self.clock(), limit=limit)
-            self._gauges()
-        if released:
-            self.metrics.releases.labels("pressure").inc(len(released))
-        return released
-
-    def take_updates(self) -> dict[str, float]:
-        with self._lock:
-            self._table.sweep(self.clock())
-            return self._table.take_updates()
-
-    def held(self) -> bool:
-        """Any lease held (a lock-free peek for the scheduler's hot path)."""
-        return len(self._table) > 0
-
-    def releasing_blocks(self) -> int:
-        with self._lock:
-            return self._table.releasing_blocks
-
-    def snapshot(self) -> tuple[int, int]:
-        """(leases, retained blocks)."""
-        with self._lock:
-            return len(self._table), self._table.retained_blocks
-
-    def status(self) -> LeaseStatus:
-        """The table per tenant tag, for ``GET /info`` (bounded: the top
-        :data:`~kvlease.protocol.LEASE_STATUS_MAX_TENANTS` tags by blocks)."""
-        table = self._table
-        with self._lock:
-            counts = table.by_tenant()
-            leases, retained = len(table), table.retained_blocks
-        n, b = counts.pop(None, (0, 0))
-        top = heapq.nsmallest(LEASE_STATUS_MAX_TENANTS, counts.items(), key=lambda kv: (-kv[1][1], kv[0]))
-        return LeaseStatus(
-            leases=leases,
-            retained_blocks=retained,
-            capacity_blocks=table.capacity_blocks,
-            tenant_quota_blocks=int(table.tenant_quota_fraction * table.capacity_blocks),
-            tenant_count=len(counts),
-            untagged=TenantLeases(None, n, b),
-            tenants=tuple(TenantLeases(tag, tn, tb) for tag, (tn, tb) in top),
-        )
-
-    def _gauges(self) -> None:
-        self.metrics.leases.set(len(self._table))
-        self.metrics.retained_blocks.set(self._table.retained_blocks)
 
 
 class _Handler(BaseHTTPRequestHandler):

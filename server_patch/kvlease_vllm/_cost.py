@@ -83,6 +83,7 @@ class CostModel:
         per_descriptor_s: float = 0.0,
         explore_fraction: float = 0.0,
         staged_bandwidth_bps: float | None = None,
+        host_bandwidth_bps: float | None = None,
         alpha: float = 0.3,
     ) -> None:
         if bytes_per_token <= 0 or default_bandwidth_bps <= 0 or default_prefill_tokens_per_s <= 0:
@@ -102,6 +103,10 @@ class CostModel:
         self.default_staged_s_per_token = (
             bytes_per_token / staged_bandwidth_bps if staged_bandwidth_bps else self.default_pull_s_per_token
         )
+        if host_bandwidth_bps is not None and host_bandwidth_bps <= 0:
+            raise ValueError("host_bandwidth_bps must be positive")
+        #: a pull of a host-placed lease: D's promotion from its arena before the staged pull
+        self.host_s_per_token = bytes_per_token / host_bandwidth_bps if host_bandwidth_bps else 0.0
         self._explore_every = round(1 / explore_fraction) if explore_fraction > 0 else 0
         self._cost_declines = 0
         self._spt = _Ewma(alpha)  # pull seconds per token, after the fixed cost
@@ -152,9 +157,14 @@ class CostModel:
     def predict_recompute_s(self, tokens: int) -> float:
         return tokens / self.prefill_tokens_per_s
 
-    def decide(self, gain_tokens: int, threshold: int, *, staged: bool = False) -> Decision:
-        """``staged``: the pull is expected to take the staged path (predicted at its rate)."""
+    def decide(
+        self, gain_tokens: int, threshold: int, *, staged: bool = False, host: bool = False
+    ) -> Decision:
+        """``staged``: the pull is expected to take the staged path (predicted at its rate);
+        ``host``: from D's host arena (its promotion added; a device copy D still has is faster)."""
         t_pull = self.predict_pull_s(max(gain_tokens, 0), staged=staged)
+        if host:
+            t_pull += max(gain_tokens, 0) * self.host_s_per_token
         t_rec = self.predict_recompute_s(max(gain_tokens, 0))
         if gain_tokens <= 0:
             return Decision(False, Reason.LOCAL_HIT, gain_tokens, t_pull, t_rec)

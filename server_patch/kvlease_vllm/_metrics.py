@@ -2,6 +2,15 @@
 
 The connector's scheduler side runs in vLLM's engine-core process, whose registry vLLM's API server
 does not export; so the counters live in their own registry and the control endpoint serves it.
+
+Host placement (issue-facing names, also used by ``kvlease plan`` and the benchmarks):
+``kvlease_device_blocks_held``, ``kvlease_device_blocks_cached``, ``kvlease_host_bytes_used``,
+``kvlease_host_bytes_capacity``, ``kvlease_demotions_total``, ``kvlease_demotion_bytes_total``,
+``kvlease_evictions_total{reason}`` (the scheduler's), and ``kvlease_demotion_seconds``,
+``kvlease_pulls_total{source}`` (measured where the copies run: the workers,
+:data:`WORKER_METRICS`). The endpoint serves the workers' figures when the workers share the
+engine-core process (vLLM's single-process executor, one worker per engine); with a
+multiprocess executor they stay in the worker processes and read 0 here.
 """
 
 from __future__ import annotations
@@ -65,6 +74,35 @@ class ConnectorMetrics:
         self.leases = Gauge("kvlease_leases", "Leases held on this decode node", registry=r)
         self.retained_blocks = Gauge("kvlease_retained_blocks", "KV blocks retained for leases", registry=r)
         self.capacity_blocks = Gauge("kvlease_retained_blocks_cap", "Cap on retained KV blocks", registry=r)
+        self.device_blocks_held = Gauge(
+            "kvlease_device_blocks_held", "KV blocks leases hold against reuse (device placement)", registry=r
+        )
+        self.device_blocks_cached = Gauge(
+            "kvlease_device_blocks_cached",
+            "KV blocks of host-placed leases whose device copy is intact and evictable",
+            registry=r,
+        )
+        self.host_bytes_used = Gauge("kvlease_host_bytes_used", "Host arena bytes leases use", registry=r)
+        self.host_bytes_capacity = Gauge(
+            "kvlease_host_bytes_capacity", "Host arena bytes (per worker)", registry=r
+        )
+        self.demotions = Counter("kvlease_demotions", "Leases written through to the host arena", registry=r)
+        self.demotion_bytes = Counter(
+            "kvlease_demotion_bytes", "Bytes written through to the host arena (per worker)", registry=r
+        )
+        self.evictions = Counter(
+            "kvlease_evictions",
+            "Leases that left the host arena, by reason (pressure, lifetime, expiry, release)",
+            ["reason"],
+            registry=r,
+        )
+        self.placements = Counter(
+            "kvlease_placements",
+            "Finished leased requests by placement (device: held in HBM, host: in the arena, "
+            "device_fallback: host placement refused for this lease)",
+            ["placement"],
+            registry=r,
+        )
         for reason in Reason:
             self.pull_decisions.labels(reason.value)
         for result in ("ok", "unknown"):
@@ -73,6 +111,10 @@ class ConnectorMetrics:
             self.releases.labels(cause)
         for side in ("local", "remote"):
             self.pull_runs.labels(side)
+        for reason in ("pressure", "lifetime", "expiry", "release"):
+            self.evictions.labels(reason)
+        for placement in ("device", "host", "device_fallback"):
+            self.placements.labels(placement)
 
     def observe_pull_shape(self, shape: PullShape) -> None:
         self.pull_descriptors.observe(shape.descriptors)
@@ -80,4 +122,33 @@ class ConnectorMetrics:
         self.pull_runs.labels("remote").observe(shape.remote_runs)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.registry) + generate_latest(WORKER_METRICS.registry)
+
+
+#: A demotion's time, from the copy's start to the worker seeing it done (polled once a step on
+#: CUDA): 1k-24k tokens of a 32B-class model are 0.25-6 GiB, 5-120 ms at the PCIe rate.
+_DEMOTION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class WorkerMetrics:
+    """The figures measured in a worker (one per process)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.demotion_seconds = Histogram(
+            "kvlease_demotion_seconds",
+            "Time to write a lease through to the host arena (one worker's shard)",
+            buckets=_DEMOTION_BUCKETS,
+            registry=self.registry,
+        )
+        self.pulls = Counter(
+            "kvlease_pulls",
+            "Staged pulls done on a prefill node, by where D's bytes came from (device, host)",
+            ["source"],
+            registry=self.registry,
+        )
+        for source in ("device", "host"):
+            self.pulls.labels(source)
+
+
+WORKER_METRICS = WorkerMetrics()

@@ -45,6 +45,8 @@ class Lease:
     release_pending: bool = False  # released while pinned: freed when the pin ends
     #: Opaque tag of the tenant (the router's, on D's request; renewals and claims name it too).
     tenant: str | None = None
+    #: No renewal goes past it (``max_lifetime`` after the lease was added).
+    hard_end: float = math.inf
 
     def pinned(self, now: float) -> bool:
         return self.pinned_until > now
@@ -65,6 +67,8 @@ class RetentionTable:
     #: Share of ``capacity_blocks`` one tenant tag may hold before its leases (its oldest, down to
     #: the quota) are the first released early under pressure.
     tenant_quota_fraction: float = 0.5
+    #: A lease's whole life, whatever its renewals (``kvlease.max_lease_lifetime_s``).
+    max_lifetime: float = math.inf
     _leases: dict[str, Lease] = field(default_factory=dict)
     #: lease id -> (blocks, released at): released, free not yet confirmed by the workers.
     _releasing: dict[str, tuple[int, float]] = field(default_factory=dict)
@@ -126,7 +130,10 @@ class RetentionTable:
             if blocks > self.capacity_blocks or self._releasable_blocks(now) < need:
                 return AddResult(False)
             released = self._release_oldest(need, now, adding=(tenant, blocks))
-        self._leases[lease_id] = Lease(lease_id, blocks, deadline, tenant=tenant)
+        hard_end = now + self.max_lifetime
+        self._leases[lease_id] = Lease(
+            lease_id, blocks, min(deadline, hard_end), tenant=tenant, hard_end=hard_end
+        )
         self._retained += blocks
         return AddResult(True, tuple(released))
 
@@ -152,7 +159,7 @@ class RetentionTable:
         if pin and lease.pinned(now) and (claimant is None or lease.claimant != claimant):
             return None  # exclusive: someone else is reading it
         ttl = min(ttl, self.max_ttl)
-        new = max(lease.deadline, now + ttl)
+        new = min(max(lease.deadline, now + ttl), lease.hard_end)
         if new != lease.deadline:
             lease.deadline = new
             self._updates[lease_id] = new
@@ -189,6 +196,16 @@ class RetentionTable:
             return False
         lease.pinned_until, lease.claimant = -math.inf, None
         return True
+
+    def unhold(self, lease_id: str) -> int:
+        """D no longer holds the lease's device blocks (written through to the host arena and given
+        back to vLLM): they leave the cap and pressure relief; the lease stays. Blocks let go."""
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            return 0
+        blocks, lease.blocks = lease.blocks, 0
+        self._retained -= blocks
+        return blocks
 
     def forget(self, lease_id: str) -> bool:
         """The workers freed the blocks (read by a prefill node, expired or released)."""
@@ -258,8 +275,8 @@ class RetentionTable:
         """Unpinned leases in early-release order: those over their tenant's quota first, then
         the rest; oldest deadline first within each."""
         over = self._over_quota(adding)
-        order = sorted(
-            (lease for lease in self._leases.values() if not lease.pinned(now)),
+        order = sorted(  # a lease placed in the host arena holds no device block (0)
+            (lease for lease in self._leases.values() if lease.blocks and not lease.pinned(now)),
             key=lambda lease: (lease.lease_id not in over, lease.deadline, lease.lease_id),
         )
         released: list[str] = []
@@ -280,6 +297,8 @@ class BlockRefs:
 
     def __init__(self) -> None:
         self._held: dict[str, list[int]] = {}
+        #: Leases whose blocks were given back early (host placement): still ours to report.
+        self._given: set[str] = set()
 
     def take(self, pool: Any, rid: str, groups: Iterable[Iterable[int]]) -> None:
         """One reference per block P may read (upstream hands out only those)."""
@@ -290,9 +309,21 @@ class BlockRefs:
     def drop(self, pool: Any, rids: Iterable[str]) -> list[str]:
         """Drop the references of those of ``rids`` held here (read, expired or released); returns
         them. Tail first, so the shared prefix is evicted last."""
-        dropped = [rid for rid in rids if rid in self._held]
+        dropped = [rid for rid in rids if rid in self._held or rid in self._given]
         for rid in dropped:
-            ids = self._held.pop(rid)
-            if pool is not None:
+            self._given.discard(rid)
+            ids = self._held.pop(rid, None)
+            if pool is not None and ids is not None:
                 pool.free_blocks(pool.blocks[i] for i in reversed(ids))
         return dropped
+
+    def give_back(self, pool: Any, rids: Iterable[str]) -> None:
+        """Drop the references now (the lease lives on in the host arena); the lease's end is still
+        reported as ours by :meth:`drop`."""
+        for rid in rids:
+            ids = self._held.pop(rid, None)
+            if ids is None:
+                continue
+            self._given.add(rid)
+            if pool is not None:
+                pool.free_blocks(pool.blocks[i] for i in reversed(ids))

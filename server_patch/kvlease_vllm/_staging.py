@@ -49,6 +49,9 @@ ALIGN: Final = 4096
 #: workers (request id -> D's staging ports), and of upstream's handshake payload that carries a
 #: worker's staging port to its scheduler; both are dropped before upstream reads the object.
 PLANS_ATTR: Final = "kvlease_staging"
+#: P: request ids whose handle is host-placed (``kvlease.placement``): staged or recomputed, never
+#: read block by block (another connector-metadata attribute).
+HOST_ONLY_ATTR: Final = "kvlease_host_only"
 PORT_ATTR: Final = "kvlease_staging_port"
 #: The attribute of the handshake payload that carries where the worker's listener runs:
 #: ``(bind host, node name)``.

@@ -71,6 +71,8 @@ class Reason(str, enum.Enum):
     SCHEDULER_DROPPED = "scheduler_dropped"
     #: the read P's allocation implies does not lie within the verified prefix (never pulled)
     SPAN = "span_mismatch"
+    #: D placed the lease in its host arena and this node cannot read it with a staged pull
+    PLACEMENT = "placement"
 
 
 _REUSE_STATUS = {

@@ -43,6 +43,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvlease.protocol._staging import (
+    STAGED_FROM_DEVICE,
+    STAGED_FROM_HOST,
     STAGING_OP_RELEASE,
     STAGING_OP_STAGE,
     StagingRefusal,
@@ -51,8 +53,10 @@ from kvlease.protocol._staging import (
 )
 from kvlease_vllm import _staging
 from kvlease_vllm._compat import NixlPullConnectorWorker, init_logger, vllm_envs
-from kvlease_vllm._config import ConfigError, KVLeaseConfig, check_staging_memory
+from kvlease_vllm._config import PLACEMENT_DEVICE, ConfigError, KVLeaseConfig, check_staging_memory
+from kvlease_vllm._metrics import WORKER_METRICS
 from kvlease_vllm._stagecopy import StagingCopier, kv_tensors, region_views
+from kvlease_vllm._worker_arena import ArenaStore, ReadPlan, allocate_arena
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -63,6 +67,7 @@ logger = init_logger("vllm.kvlease.worker")
 __all__ = ["KVLeaseWorker"]
 
 _ASK, _READ, _SCATTER = "ask", "read", "scatter"
+_DEVICE = STAGED_FROM_DEVICE
 
 
 @dataclass
@@ -86,6 +91,7 @@ class _Staged:
     handle: Any = None
     event: Any = None
     t0: float = field(default_factory=time.perf_counter)
+    source: str = ""  # where D's bytes came from (StagingReply.source)
 
 
 @dataclass
@@ -122,6 +128,10 @@ class KVLeaseWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         self._kvl_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvlease-stage")
         self._kvl_stream: Any = None
         self._kvl_dev = 0
+        #: D: the host arena (``kvlease.placement`` auto / host); P: the pulls of host-placed leases
+        #: (never read block by block: D no longer holds those blocks).
+        self._kvl_arena: ArenaStore | None = None
+        self._kvl_host_only: set[str] = set()
         secret = cfg.secret()
         #: Staging requests carry it and D's listener answers only it (None: no secret, no staging).
         self._kvl_token = _staging.staging_token(secret) if secret else None
@@ -164,6 +174,14 @@ class KVLeaseWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         assert self._kvl_buffer is not None
         self._kvl_alloc = _staging.RangeAllocator(self._kvl_buffer.numel())
         if self.kv_transfer_config.kv_role in ("kv_consumer", "kv_both"):
+            if self.kvl_cfg.resolved_placement() != PLACEMENT_DEVICE:
+                self._kvl_arena = allocate_arena(
+                    self.kvl_cfg.host_arena_bytes,
+                    self._kvl_views,
+                    self._kvl_region_bytes,
+                    device=self._kvl_buffer.device,
+                    workers_on_host=self.world_size,
+                )
             dp = int(self.vllm_config.parallel_config.data_parallel_index or 0)
             port = _staging.staging_port(self.kvl_cfg.staging_port, dp, self.world_size, self.tp_rank)
             host = vllm_envs.VLLM_NIXL_SIDE_CHANNEL_HOST
@@ -187,6 +205,12 @@ class KVLeaseWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             len(self._kvl_views),
             f", listening on {self._kvl_server.port}" if self._kvl_server else "",
         )
+        if self._kvl_arena is not None:
+            logger.info(
+                "kvlease: leases placed in a %.1f MiB host arena (%s), HBM a cache over it",
+                self._kvl_arena.capacity / 2**20,
+                self.kvl_cfg.resolved_placement(),
+            )
 
     def _kvl_allocate(self, tensors: list[torch.Tensor]) -> None:
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
@@ -272,25 +296,54 @@ class KVLeaseWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         if got is None:
             return StagingReply(False, refusal=StagingRefusal.BUSY, detail="staging buffer full")
         slot, offset = got
-        # after the lease's last KV writes: the engine's mark when the lease reached this worker,
-        # else its latest (a lease whose finish has not reached it yet was written before that)
-        after = self._kvl_marks.get(msg.lease_id, self._kvl_last_mark)
         try:
-            self._kvl_copier.gather(msg.block_ids, offset, after=after)
+            source, why = self._kvl_stage(msg, offset)
         except Exception:
             self._kvl_alloc.free(slot)
             raise
-        if not self._kvl_live(msg.lease_id):  # expired during the gather: the blocks may be reused
+        if source is None:
             self._kvl_alloc.free(slot)
-            return StagingReply(False, refusal=StagingRefusal.UNKNOWN_LEASE, detail="expired while staging")
+            return StagingReply(False, refusal=StagingRefusal.UNKNOWN_LEASE, detail=why)
         address = self._kvl_buffer.data_ptr() + offset
-        return StagingReply(True, slot=slot, address=address, nbytes=nbytes, device_id=self._kvl_dev)
+        return StagingReply(
+            True, slot=slot, address=address, nbytes=nbytes, device_id=self._kvl_dev, source=source
+        )
+
+    def _kvl_stage(self, msg: StagingRequest, offset: int) -> tuple[str | None, str]:
+        """Lay the lease's blocks out at ``offset``: from the device copy while it is provably
+        intact (checked again after the gather), else from the host arena; the source, or None
+        and why."""
+        assert self._kvl_copier is not None and self._kvl_buffer is not None
+        arena, rid, ids = self._kvl_arena, msg.lease_id, msg.block_ids
+        plan = arena.read_plan(rid, ids) if arena is not None else ReadPlan(_DEVICE)
+        if plan.source == _DEVICE:
+            # after the lease's last KV writes: the engine's mark when the lease reached this worker,
+            # else its latest (a lease whose finish has not reached it yet was written before that)
+            after = self._kvl_marks.get(rid, self._kvl_last_mark)
+            self._kvl_copier.gather(ids, offset, after=after)
+            if not self._kvl_live(rid):  # expired during the gather: the blocks may be reused
+                return None, "expired while staging"
+            if arena is None or arena.intact(ids, plan.gens):
+                return _DEVICE, ""
+            plan = ReadPlan(STAGED_FROM_HOST)  # a step took a block during the gather
+        if plan.source != STAGED_FROM_HOST:
+            return None, plan.refusal or "not staged"
+        assert arena is not None
+        if not arena.promote(rid, ids, self._kvl_buffer, offset) or not self._kvl_live(rid):
+            return None, "the lease left the host arena"
+        return STAGED_FROM_HOST, ""
+
+    def _kvl_before_step(self, metadata: Any) -> None:
+        """vLLM's ``handle_preemptions``: before the step zeroes, copies or writes any block."""
+        if self._kvl_arena is not None and self._kvl_copier is not None:
+            self._kvl_arena.before_step(metadata, self._kvl_copier.mark)
 
     # ------------------------------------------------------------------ P side
     def start_load_kv(self, metadata: Any) -> None:
         plans = getattr(metadata, _staging.PLANS_ATTR, None)
         if plans:
             self._kvl_plans.update(plans)
+        self._kvl_host_only.update(getattr(metadata, _staging.HOST_ONLY_ATTR, None) or ())
         super().start_load_kv(metadata)
         self._kvl_mark(getattr(metadata, "reqs_to_send", None) or ())
         self._kvl_advance()
@@ -298,15 +351,20 @@ class KVLeaseWorker(NixlPullConnectorWorker):  # type: ignore[misc]
     def get_transfer_results(self) -> Any:
         self._kvl_mark((), prune=True)  # called after the step's forward was queued
         self._kvl_advance()
+        if self._kvl_arena is not None:
+            self._kvl_arena.forget(self._kvl_live)
         results = super().get_transfer_results()
         for rid in [r for r in self._kvl_plans if r not in self._recving_metadata]:
             del self._kvl_plans[rid]  # finished or failed upstream (e.g. its handshake failed)
+        self._kvl_host_only.intersection_update(self._recving_metadata)
         return results
 
     def _read_blocks_for_req(self, req_id: str, meta: Any) -> None:
         ports = self._kvl_plans.get(req_id)
         if ports is None or self._kvl_alloc is None or meta.remote is None:
             self._kvl_plans.pop(req_id, None)
+            if req_id in self._kvl_host_only:
+                return self._kvl_decline_host(req_id, "this worker cannot stage the pull")
             super()._read_blocks_for_req(req_id, meta)
             return
         engine_id = meta.remote.engine_id
@@ -323,6 +381,8 @@ class KVLeaseWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         except Exception as e:
             staged, why = None, f"{type(e).__name__}: {e}"
         if staged is None:
+            if req_id in self._kvl_host_only:
+                return self._kvl_decline_host(req_id, why)
             self._kvl_fell_back(req_id, why)
             super()._read_blocks_for_req(req_id, meta)
             return
@@ -437,7 +497,7 @@ class KVLeaseWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             return self._kvl_fallback(rid, st, f"D's staging listener: {type(e).__name__}: {e}")
         if not reply.ok:
             return self._kvl_fallback(rid, st, f"D refused ({reply.refusal}: {reply.detail})")
-        st.reply = reply
+        st.reply, st.source = reply, reply.source
         if reply.nbytes != st.nbytes:
             self._kvl_release(st)
             return self._kvl_fallback(rid, st, f"D staged {reply.nbytes} bytes, expected {st.nbytes}")
@@ -484,6 +544,7 @@ class KVLeaseWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             self.xfer_stats.record_failed_notification()
         self._recving_transfers[rid] = []  # no handle left: upstream reports it received
         self.kvl_counts["staged"] += 1
+        WORKER_METRICS.pulls.labels(st.source or _DEVICE).inc()
         logger.info(
             "kvlease %s: staged pull of %d blocks (%d bytes, one READ) in %.1f ms",
             rid,
@@ -548,8 +609,18 @@ class KVLeaseWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         self._kvl_pulls.pop(rid, None)
         assert self._kvl_alloc is not None
         self._kvl_alloc.free(st.slot)
+        if rid in self._kvl_host_only:
+            return self._kvl_decline_host(rid, why)
         self._kvl_fell_back(rid, why)
         super()._read_blocks_for_req(rid, st.meta)
+
+    def _kvl_decline_host(self, rid: str, why: str) -> None:
+        """P: a host-placed lease that cannot be staged is not read block by block (D gave those
+        blocks back to vLLM): the request recomputes, with nothing written to its blocks."""
+        self._kvl_host_only.discard(rid)
+        self.kvl_counts["declined_host"] += 1
+        logger.info("kvlease %s: host-placed lease not staged (%s); recomputing", rid, why)
+        self._handle_failed_transfer(rid, None, self._recv_failures, record_failed_transfer=False)
 
     def _kvl_fell_back(self, rid: str, why: str) -> None:
         self.kvl_counts["fallback"] += 1

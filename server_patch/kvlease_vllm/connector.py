@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvlease import __version__ as KVLEASE_VERSION
 from kvlease.protocol import KV, ControlInfo, Role, tenant_tag_of
+from kvlease.protocol._handle import PLACEMENT_HOST
 from kvlease_vllm import _control, _progress, _sendcheck, _staging
 from kvlease_vllm._compat import (
     NIXL_CONNECTOR_VERSION,
@@ -65,6 +66,7 @@ from kvlease_vllm._guards import (
 )
 from kvlease_vllm._layout import kv_regions, pull_shape, transport_advice
 from kvlease_vllm._metrics import ConnectorMetrics
+from kvlease_vllm._placement import HostPlacer, host_leases, host_pull_refusal
 from kvlease_vllm._pull import Pull, claim_outcome, final_trim, reclaim_waiting, submit_unclaim
 from kvlease_vllm._retention import BlockRefs, RetentionTable
 from kvlease_vllm._verify import (
@@ -103,14 +105,18 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
         self.block_pool: BlockPool | None = None
         self.metrics = ConnectorMetrics()
         cap = int(kv_cache_config.num_blocks * cfg.max_retained_fraction)
+        kv_role = vllm_config.kv_transfer_config.kv_role  # type: ignore[union-attr]
+        block_bytes = round(bytes_per_token(kv_cache_config, self.block_size) * self.block_size)
         self.desk = LeaseDesk(
             RetentionTable(
                 cap,
                 max_ttl=cfg.max_ttl_s,
                 renew_guard=cfg.renew_guard_s,
                 tenant_quota_fraction=cfg.tenant_quota_fraction,
+                max_lifetime=cfg.max_lease_lifetime_s,
             ),
             self.metrics,
+            host=host_leases(cfg, kv_role, block_bytes),
         )
         self.cost = CostModel(
             bytes_per_token=bytes_per_token(kv_cache_config, self.block_size),
@@ -121,6 +127,7 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
             fixed_latency_s=cfg.pull_fixed_latency_s,
             explore_fraction=cfg.pull_explore_fraction,
             staged_bandwidth_bps=cfg.staging_bandwidth_bps,
+            host_bandwidth_bps=cfg.arena_bandwidth_bps,
         )
         #: D: its workers' staging ports by TP rank (from their handshake payloads), or None;
         #: P: request id -> D's ports, for the staged pulls planned this step (to the workers).
@@ -143,6 +150,8 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
         #: what is left at the end of the step could not get its blocks.
         self._waiting_blocks: dict[str, int] = {}
         self._owned = BlockRefs()  # D: its own references on leased blocks (own_block_refs)
+        self.placer = HostPlacer(self.desk, self._owned, self.metrics, cfg)  # D: host placement
+        self._host_only: set[str] = set()  # P: this step's pulls of host-placed leases
         self._claims = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvlease-claim")
         self.sends = _sendcheck.SendDesk(self.secret)  # P: its P->D sends, for D's post-read check
         self.control = ControlServer(
@@ -165,7 +174,6 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
             "on" if self.secret else "off: renew/release refused",
             cap,
         )
-        kv_role = vllm_config.kv_transfer_config.kv_role  # type: ignore[union-attr]
         warning = no_secret_warning(cfg, self.secret, kv_role)
         if warning:
             logger.warning("kvlease: %s", warning)
@@ -302,8 +310,14 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
         if why:
             return self._decline_plan(request, params, Reason.HYBRID_PARTIAL, why)
         gain = verified - num_computed_tokens
-        staged = _staging.expect_staged(self.cfg, bool(handle.ext.staging), gain)
-        decision = self.cost.decide(gain, self.kv_recompute_threshold, staged=staged)
+        host = handle.ext.placement == PLACEMENT_HOST
+        if host:
+            why = host_pull_refusal(self.cfg, handle.ext.staging, handle.num_tokens)
+            if why:
+                return self._decline_plan(request, params, Reason.PLACEMENT, why)
+            self._host_only.add(request.request_id)
+        staged = host or _staging.expect_staged(self.cfg, bool(handle.ext.staging), gain)
+        decision = self.cost.decide(gain, self.kv_recompute_threshold, staged=staged, host=host)
         if not decision.pull:
             return self._decline_plan(request, params, decision.reason, decision.describe())
         (logger.info if decision.explored else logger.debug)(
@@ -403,12 +417,32 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
         )
         if self.staging_ports and self.cfg.staging != _staging.OFF:
             ext = replace(ext, staging=self.staging_ports)
+        own = self.cfg.own_block_refs and self.block_pool is not None
+        if self.placer.enabled and self._place_host(request, out, num_tokens, own):
+            ext = replace(ext, placement=PLACEMENT_HOST)
         if self.secret:  # the MAC covers the routing fields of upstream's dict and the object
             ext = replace(ext, mac=handle_mac(self.secret, {**out, KV.KVLEASE: ext.to_json()}))
         if self.cfg.own_block_refs and self.block_pool is not None:
             self._owned.take(self.block_pool, rid, out.get(KV.REMOTE_BLOCK_IDS) or ())
             delay = False  # our reference holds the blocks: no delayed free
         return delay, {**out, KV.KVLEASE: ext.to_json()}
+
+    def _place_host(self, request: Request, out: dict[str, Any], num_tokens: int, own: bool) -> bool:
+        """D: write the lease through to the host arena (the blocks are given back at the next
+        step's metadata); False: it stays held on the device, logged with the reason."""
+        rid = request.request_id
+        why = self.placer.unplaceable(
+            staging_ports=self.staging_ports if self.cfg.staging != _staging.OFF else None,
+            multi_group=self.multi_group,
+            num_tokens=num_tokens,
+            own_refs=own,
+        )
+        if why is None:
+            groups = out.get(KV.REMOTE_BLOCK_IDS) or ((),)
+            why = self.placer.place(rid, groups[0], tenant_tag_of(request.kv_transfer_params))
+        if why is not None:
+            logger.info("kvlease %s: lease kept on the device: %s", rid, why)
+        return why is None
 
     def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
         self._waiting_blocks.pop(request.request_id, None)
@@ -432,7 +466,9 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
         rid, regions = request.request_id, self.kv_regions
         pull = self._pulls[rid]
         ports = pull.handle.ext.staging if pull.handle is not None else None
-        choice = _staging.plan_pull(self.cfg, self.cost, ports, local, remote, regions, num_external_tokens)
+        host = pull.handle is not None and pull.handle.ext.placement == PLACEMENT_HOST
+        cfg = replace(self.cfg, staging=_staging.ALWAYS) if host else self.cfg  # never block by block
+        choice = _staging.plan_pull(cfg, self.cost, ports, local, remote, regions, num_external_tokens)
         if choice.staged and ports:
             pull.staged, self._stage_plans[rid] = True, ports
         described = f"{shape.describe(regions)}; {choice.describe()}"
@@ -474,6 +510,11 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
         if self._stage_plans and meta is not None:  # P: this step's staged pulls, to the workers
             setattr(meta, _staging.PLANS_ATTR, self._stage_plans)
             self._stage_plans = {}
+        if self._host_only and meta is not None:  # P: pulls that must not go block by block
+            setattr(meta, _staging.HOST_ONLY_ATTR, frozenset(self._host_only))
+            self._host_only = set()
+        if self.placer.enabled and meta is not None:  # D: the host arena's orders
+            self.placer.attach(meta, scheduler_output, self.block_pool)
         return meta
 
     def _reclaim_waiting(self, now: float) -> None:
@@ -502,6 +543,7 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
         # read, expired or released: drop our reference; the scheduler no longer knows these
         # requests (it freed them at finish), so they must not reach its finished_sending loop
         owned = self._owned.drop(self.block_pool, sent) if sent else ()
+        self.placer.forget(sent)
         if owned:
             connector_output.finished_sending = set(sent).difference(owned)
         failed = connector_output.failed_recving or set()
@@ -598,3 +640,11 @@ class KVLeaseConnector(NixlConnector):  # type: ignore[misc,valid-type]
         # Released leases are freed by the workers' sweep in this very step, so the request that
         # could not allocate waits one step instead of evicting a running request.
         return bool(sched._relieve_pressure(emergency=True))
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        """vLLM calls it in every step, before the step zeroes, copies or writes any block: D's
+        workers take the host arena's orders here (``_worker_arena``)."""
+        super().handle_preemptions(kv_connector_metadata)
+        worker = self.connector_worker
+        if worker is not None and hasattr(worker, "_kvl_before_step"):
+            worker._kvl_before_step(kv_connector_metadata)

@@ -21,7 +21,8 @@ from kvlease.protocol import (
     ControlRenewRequest,
     Role,
 )
-from kvlease_vllm._control import RENEW_CHUNK, ControlServer, LeaseDesk
+from kvlease_vllm._control import ControlServer
+from kvlease_vllm._desk import RENEW_CHUNK, LeaseDesk
 from kvlease_vllm._metrics import ConnectorMetrics
 from kvlease_vllm._retention import RetentionTable
 

@@ -75,6 +75,17 @@ LEASE_HANDLE_MM: Final = "mm"
 #: ranks' staging listener (on the handle's ``remote_host``), absent when D cannot stage (an older
 #: kvlease, stock vLLM, staging off). Covered by the MAC: it tells P's worker where to connect.
 LEASE_HANDLE_STAGING: Final = "staging"
+#: Key of the lease's placement in the ``kvlease`` object: ``"host"`` when D gave the lease's device
+#: blocks back to vLLM after writing them through to its host arena, so the lease can only be read
+#: by a staged pull (D promotes it, or reads a device copy it proves intact). Absent: ``device``,
+#: D holds the blocks. Covered by the MAC.
+LEASE_HANDLE_PLACEMENT: Final = "placement"
+PLACEMENT_HOST: Final = "host"
+PLACEMENT_DEVICE: Final = "device"
+#: A host-placed handle says ``"v": 2``: a reader that does not know placements (kvlease before it)
+#: refuses the handle as a whole and recomputes, rather than read the released device blocks
+#: block by block.
+HOST_PLACEMENT_VERSION: Final = 2
 _HEX_LEN: Final = 2 * BLOCK_HASH_BYTES  # a block hash, tail hash or mm digest, in hex
 
 
@@ -108,13 +119,16 @@ class LeaseHandleExt:
     lora: str | None = None
     mm: str | None = None
     staging: tuple[int, ...] | None = None
+    #: ``device`` (D holds the blocks) or ``host`` (see :data:`LEASE_HANDLE_PLACEMENT`).
+    placement: str = PLACEMENT_DEVICE
 
     MAX_BLOCKS: ClassVar[int] = 1 << 20
     MAX_STAGING_RANKS: ClassVar[int] = 4096
 
     def to_json(self) -> dict[str, Any]:
+        host = self.placement == PLACEMENT_HOST
         out: dict[str, Any] = {
-            "v": self.version,
+            "v": HOST_PLACEMENT_VERSION if host else self.version,
             "block_size": self.block_size,
             "num_tokens": self.num_tokens,
             "hashes": list(self.hashes),
@@ -129,6 +143,8 @@ class LeaseHandleExt:
             out[LEASE_HANDLE_MM] = self.mm
         if self.staging is not None:
             out[LEASE_HANDLE_STAGING] = list(self.staging)
+        if host:
+            out[LEASE_HANDLE_PLACEMENT] = PLACEMENT_HOST
         if self.mac is not None:
             out[LEASE_HANDLE_MAC] = self.mac
         return out
@@ -142,8 +158,18 @@ class LeaseHandleExt:
             raise ProtocolError("kvlease must be an object")
         get = data.get
         version = get("v")
-        if version != PROTOCOL_VERSION:
-            raise ProtocolError(f"kvlease.v is {version!r}; this build speaks {PROTOCOL_VERSION}")
+        if version != PROTOCOL_VERSION and version != HOST_PLACEMENT_VERSION:
+            raise ProtocolError(
+                f"kvlease.v is {version!r}; this build speaks {PROTOCOL_VERSION} and {HOST_PLACEMENT_VERSION}"
+            )
+        placement = get(LEASE_HANDLE_PLACEMENT, PLACEMENT_DEVICE)
+        if (version == HOST_PLACEMENT_VERSION) != (placement == PLACEMENT_HOST) or placement not in (
+            PLACEMENT_HOST,
+            PLACEMENT_DEVICE,
+        ):
+            raise ProtocolError(
+                f'kvlease.placement "host" goes with "v": {HOST_PLACEMENT_VERSION}, and only it'
+            )
         bs = get("block_size")
         if type(bs) is not int or not 1 <= bs <= 1 << 16:
             bs = _int_value(bs, "block_size", 1, 1 << 16)
@@ -202,6 +228,7 @@ class LeaseHandleExt:
             "lora": lora,
             "mm": mm,
             "staging": staging,
+            "placement": placement,
         }
         return _built(cls, attrs) if cls is LeaseHandleExt else cls(**attrs)
 

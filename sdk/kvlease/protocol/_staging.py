@@ -22,6 +22,11 @@ STAGING_MAX_FRAME: Final = 64 << 20
 _STAGING_MAX_REGIONS: Final = 1 << 16
 
 
+#: :attr:`StagingReply.source` values (the ``source`` label of ``kvlease_pulls_total`` on P).
+STAGED_FROM_DEVICE: Final = "device"
+STAGED_FROM_HOST: Final = "host"
+
+
 class StagingRefusal:
     """Why D did not stage (P then pulls block by block, as upstream does)."""
 
@@ -108,6 +113,9 @@ class StagingReply:
     device_id: int = 0
     refusal: str | None = None
     detail: str = ""
+    #: Where D's bytes came from: ``device`` (its KV blocks) or ``host`` (its host arena); an older
+    #: D does not say (``device``).
+    source: str = STAGED_FROM_DEVICE
 
     def to_bytes(self) -> bytes:
         if self.ok:
@@ -117,6 +125,7 @@ class StagingReply:
                 "address": self.address,
                 "nbytes": self.nbytes,
                 "device_id": self.device_id,
+                "source": self.source,
             }
         else:
             body = {"ok": False, "refusal": self.refusal, "detail": self.detail[:500]}
@@ -138,6 +147,7 @@ class StagingReply:
             address=_int_field(data, "address", 0, (1 << 64) - 1),
             nbytes=_int_field(data, "nbytes", 0, 1 << 48),
             device_id=_int_field(data, "device_id", 0, 1 << 16),
+            source=STAGED_FROM_HOST if data.get("source") == STAGED_FROM_HOST else STAGED_FROM_DEVICE,
         )
 
 
