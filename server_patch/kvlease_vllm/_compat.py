@@ -31,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (  # noqa: E402
     NIXL_CONNECTOR_VERSION,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats  # noqa: E402
 from vllm.logger import init_logger  # noqa: E402
 from vllm.platforms import current_platform  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
@@ -59,6 +60,7 @@ __all__ = [
     "KVConnectorRole",
     "NixlConnector",
     "NixlConnectorMetadata",
+    "NixlKVConnectorStats",
     "NixlPullConnectorScheduler",
     "NixlPullConnectorWorker",
     "RequestStatus",

@@ -6,11 +6,9 @@ does not export; so the counters live in their own registry and the control endp
 Host placement (issue-facing names, also used by ``kvlease plan`` and the benchmarks):
 ``kvlease_device_blocks_held``, ``kvlease_device_blocks_cached``, ``kvlease_host_bytes_used``,
 ``kvlease_host_bytes_capacity``, ``kvlease_demotions_total``, ``kvlease_demotion_bytes_total``,
-``kvlease_evictions_total{reason}`` (the scheduler's), and ``kvlease_demotion_seconds``,
-``kvlease_pulls_total{source}`` (measured where the copies run: the workers,
-:data:`WORKER_METRICS`). The endpoint serves the workers' figures when the workers share the
-engine-core process (vLLM's single-process executor, one worker per engine); with a
-multiprocess executor they stay in the worker processes and read 0 here.
+``kvlease_evictions_total{reason}``, ``kvlease_demotion_seconds`` and ``kvlease_pulls_total{source}``.
+The last two are measured where the copies run, in the workers (often other processes), and reach
+the scheduler on upstream's own per-step connector stats (:data:`STAT_KEYS`, TP rank 0's).
 """
 
 from __future__ import annotations
@@ -28,6 +26,15 @@ __all__ = ["CONTENT_TYPE_LATEST", "ConnectorMetrics"]
 _DESCRIPTOR_BUCKETS = (64, 256, 1024, 4096, 16384, 65536, 131072, 262144, 524288, 1048576)
 #: Contiguous runs of block ids on one side of a pull (1: one run, coalescible to one READ per region).
 _RUN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+
+
+#: Keys kvlease's workers add to upstream's NIXL connector stats (lists, as upstream's own).
+STAT_PULLS = "kvlease_pulls_"  # + source: one entry per staged pull done on P
+STAT_DEMOTION_S = "kvlease_demotion_s"  # seconds per demotion on D
+STAT_KEYS = (STAT_PULLS + "device", STAT_PULLS + "host", STAT_DEMOTION_S)
+#: A demotion's time, from the copy's start to the worker seeing it done (polled once a step on
+#: CUDA): 1k-24k tokens of a 32B-class model are 0.25-6 GiB, 5-120 ms at the PCIe rate.
+_DEMOTION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
 class ConnectorMetrics:
@@ -103,6 +110,20 @@ class ConnectorMetrics:
             ["placement"],
             registry=r,
         )
+        self.demotion_seconds = Histogram(
+            "kvlease_demotion_seconds",
+            "Time to write a lease through to the host arena (one worker's shard)",
+            buckets=_DEMOTION_BUCKETS,
+            registry=r,
+        )
+        self.pulls = Counter(
+            "kvlease_pulls",
+            "Staged pulls done on a prefill node, by where D's bytes came from (device, host)",
+            ["source"],
+            registry=r,
+        )
+        for source in ("device", "host"):
+            self.pulls.labels(source)
         for reason in Reason:
             self.pull_decisions.labels(reason.value)
         for result in ("ok", "unknown"):
@@ -121,34 +142,17 @@ class ConnectorMetrics:
         self.pull_runs.labels("local").observe(shape.local_runs)
         self.pull_runs.labels("remote").observe(shape.remote_runs)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry) + generate_latest(WORKER_METRICS.registry)
-
-
-#: A demotion's time, from the copy's start to the worker seeing it done (polled once a step on
-#: CUDA): 1k-24k tokens of a 32B-class model are 0.25-6 GiB, 5-120 ms at the PCIe rate.
-_DEMOTION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-
-
-class WorkerMetrics:
-    """The figures measured in a worker (one per process)."""
-
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        self.demotion_seconds = Histogram(
-            "kvlease_demotion_seconds",
-            "Time to write a lease through to the host arena (one worker's shard)",
-            buckets=_DEMOTION_BUCKETS,
-            registry=self.registry,
-        )
-        self.pulls = Counter(
-            "kvlease_pulls",
-            "Staged pulls done on a prefill node, by where D's bytes came from (device, host)",
-            ["source"],
-            registry=self.registry,
-        )
+    def observe_worker_stats(self, stats: object) -> None:
+        """The workers' figures (:data:`STAT_KEYS`) off a step's connector stats."""
+        data = getattr(stats, "data", None)
+        if not isinstance(data, dict):
+            return
         for source in ("device", "host"):
-            self.pulls.labels(source)
+            n = len(data.get(STAT_PULLS + source) or ())
+            if n:
+                self.pulls.labels(source).inc(n)
+        for seconds in data.get(STAT_DEMOTION_S) or ():
+            self.demotion_seconds.observe(seconds)
 
-
-WORKER_METRICS = WorkerMetrics()
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import socket
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -54,9 +55,9 @@ from kvlease.protocol._staging import (
 from kvlease_vllm import _staging
 from kvlease_vllm._compat import NixlPullConnectorWorker, init_logger, vllm_envs
 from kvlease_vllm._config import PLACEMENT_DEVICE, ConfigError, KVLeaseConfig, check_staging_memory
-from kvlease_vllm._metrics import WORKER_METRICS
+from kvlease_vllm._metrics import STAT_DEMOTION_S, STAT_PULLS
 from kvlease_vllm._stagecopy import StagingCopier, kv_tensors, region_views
-from kvlease_vllm._worker_arena import ArenaStore, ReadPlan, allocate_arena
+from kvlease_vllm._worker_arena import ArenaStore, KVLeaseStats, ReadPlan, allocate_arena
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -110,6 +111,7 @@ class KVLeaseWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig, cfg: KVLeaseConfig
     ) -> None:
         super().__init__(vllm_config, engine_id, kv_cache_config)
+        self.xfer_stats = KVLeaseStats()  # upstream's, with kvlease's figures (TP rank 0's)
         self.kvl_cfg = cfg
         self.kvl_counts: Counter[str] = Counter()
         self._kvl_buffer: torch.Tensor | None = None
@@ -181,6 +183,7 @@ class KVLeaseWorker(NixlPullConnectorWorker):  # type: ignore[misc]
                     self._kvl_region_bytes,
                     device=self._kvl_buffer.device,
                     workers_on_host=self.world_size,
+                    on_demoted=self._kvl_stat(STAT_DEMOTION_S),
                 )
             dp = int(self.vllm_config.parallel_config.data_parallel_index or 0)
             port = _staging.staging_port(self.kvl_cfg.staging_port, dp, self.world_size, self.tp_rank)
@@ -332,6 +335,16 @@ class KVLeaseWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         if not arena.promote(rid, ids, self._kvl_buffer, offset) or not self._kvl_live(rid):
             return None, "the lease left the host arena"
         return STAGED_FROM_HOST, ""
+
+    def _kvl_stat(self, key: str) -> Callable[[float], None]:
+        """A recorder of one of kvlease's figures into upstream's stats (TP rank 0 only, so that a
+        pull or demotion counts once, not once per rank)."""
+
+        def record(value: float) -> None:
+            if self.tp_rank == 0 and isinstance(self.xfer_stats, KVLeaseStats):
+                self.xfer_stats.record(key, value)
+
+        return record
 
     def _kvl_before_step(self, metadata: Any) -> None:
         """vLLM's ``handle_preemptions``: before the step zeroes, copies or writes any block."""
@@ -544,7 +557,7 @@ class KVLeaseWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             self.xfer_stats.record_failed_notification()
         self._recving_transfers[rid] = []  # no handle left: upstream reports it received
         self.kvl_counts["staged"] += 1
-        WORKER_METRICS.pulls.labels(st.source or _DEVICE).inc()
+        self._kvl_stat(STAT_PULLS + (st.source or _DEVICE))(1)
         logger.info(
             "kvlease %s: staged pull of %d blocks (%d bytes, one READ) in %.1f ms",
             rid,

@@ -38,10 +38,10 @@ import torch
 
 from kvlease.protocol._staging import STAGED_FROM_DEVICE, STAGED_FROM_HOST
 from kvlease_vllm import _arena_copy
-from kvlease_vllm._compat import init_logger
+from kvlease_vllm._compat import NixlKVConnectorStats, init_logger
 from kvlease_vllm._config import ConfigError, check_arena_memory
 from kvlease_vllm._hostlease import ALLOCATED_ATTR, DEMOTES_ATTR, DROPS_ATTR, Demotion
-from kvlease_vllm._metrics import WORKER_METRICS
+from kvlease_vllm._metrics import STAT_KEYS
 
 logger = init_logger("vllm.kvlease.arena")
 
@@ -90,7 +90,9 @@ class ArenaStore:
         *,
         pin: bool,
         stream: Any = None,
+        on_demoted: Callable[[float], None] | None = None,
     ) -> None:
+        self.on_demoted = on_demoted
         self.arena = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin) if nbytes else None
         self.capacity = nbytes
         self.views = list(views)
@@ -186,7 +188,8 @@ class ArenaStore:
             for p in self._placed.values():
                 if p.copy is not None and not p.timed and p.copy.done():
                     p.timed = True
-                    WORKER_METRICS.demotion_seconds.observe(now - p.started)
+                    if self.on_demoted is not None:
+                        self.on_demoted(now - p.started)
 
     # -------------------------------------------------------------- staging thread
     def read_plan(self, rid: str, block_ids: Sequence[int]) -> ReadPlan:
@@ -240,6 +243,22 @@ class ArenaStore:
             }
 
 
+class KVLeaseStats(NixlKVConnectorStats):  # type: ignore[misc]
+    """Upstream's NIXL connector stats with kvlease's keys (:data:`STAT_KEYS`), so that every
+    worker's stats aggregate alike and a step with only kvlease's figures is still sent."""
+
+    def reset(self) -> None:
+        super().reset()
+        for key in STAT_KEYS:
+            self.data[key] = []
+
+    def is_empty(self) -> bool:
+        return bool(super().is_empty()) and not any(self.data.get(k) for k in STAT_KEYS)
+
+    def record(self, key: str, value: float) -> None:
+        self.data.setdefault(key, []).append(value)
+
+
 def available_host_bytes() -> int:
     """Host memory available to new allocations now (``MemAvailable``; else free pages)."""
     try:
@@ -261,6 +280,7 @@ def allocate_arena(
     *,
     device: torch.device,
     workers_on_host: int,
+    on_demoted: Callable[[float], None] | None = None,
 ) -> ArenaStore:
     """This worker's arena, checked against host memory first; a :class:`ConfigError` naming
     ``kvlease.host_arena_bytes`` when it does not fit or cannot be allocated (pinned on CUDA)."""
@@ -270,7 +290,7 @@ def allocate_arena(
     cuda = device.type == "cuda"
     try:
         stream = torch.cuda.Stream(device=device) if cuda else None
-        return ArenaStore(nbytes, views, region_bytes, pin=cuda, stream=stream)
+        return ArenaStore(nbytes, views, region_bytes, pin=cuda, stream=stream, on_demoted=on_demoted)
     except (RuntimeError, MemoryError) as e:
         raise ConfigError(
             f"kvlease.host_arena_bytes={nbytes}: the host arena could not be allocated "

@@ -40,6 +40,7 @@ EXPECTED = {
     "KVLeaseConnector.__init__",
     "KVLeaseConnector.bind_gpu_block_pool",
     "KVLeaseConnector.get_transfer_results",
+    "KVLeaseConnector.handle_preemptions",
     "KVLeaseConnector.has_pending_block_frees",
     "KVLeaseConnector.set_xfer_handshake_metadata_pp_aware",
     "KVLeaseScheduler.__init__",
