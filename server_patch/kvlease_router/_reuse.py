@@ -11,6 +11,9 @@ Status meanings (value of :data:`kvlease.protocol.HEADER_STATUS`), exactly:
   the returned answer exactly. With the kvlease connector: P's verified pull found no common block.
 * ``miss``: a handle was expected but none was usable: the last decode returned none (e.g. a stream
   without the kvlease plugin), D is unhealthy, or P reported no reuse (declined, failed read).
+* ``local_hit``: a handle was sent and P had nothing left to pull: its own prefix cache already
+  covered the verified prefix (P's report says ``local_hit``). Not a miss: P recomputed nothing
+  that D could have supplied.
 * ``hit``: a handle was sent and P reused D's blocks. :data:`kvlease.protocol.HEADER_REUSED_TOKENS` is P's report:
   the kvlease connector's ``reused_tokens``; else ``usage.prompt_tokens_details.cached_tokens`` (stock
   vLLM with ``--enable-prompt-tokens-details``; it also counts P's local prefix-cache hits); else,
@@ -83,7 +86,7 @@ def judge_prefill(p_body: Mapping[str, Any], offered_tokens: int) -> tuple[Reuse
         if report.reused_tokens > 0:
             return ReuseStatus.HIT, report.reused_tokens
         said = ReuseStatus.parse(report.reuse)
-        if said in (ReuseStatus.MISMATCH, ReuseStatus.EXPIRED, ReuseStatus.MISS, ReuseStatus.ERROR):
+        if said in _DECLINED:
             return said, 0
         return ReuseStatus.MISS, 0
     usage = p_body.get("usage")
@@ -95,6 +98,12 @@ def judge_prefill(p_body: Mapping[str, Any], offered_tokens: int) -> tuple[Reuse
     prompt_tokens = _nonneg_int(usage.get("prompt_tokens")) if isinstance(usage, Mapping) else None
     estimate = offered_tokens if prompt_tokens is None else min(offered_tokens, max(prompt_tokens - 1, 0))
     return ReuseStatus.HIT, estimate
+
+
+#: The statuses P's report may say for a turn it pulled nothing for (anything else reads as a miss).
+_DECLINED = frozenset(
+    {ReuseStatus.MISMATCH, ReuseStatus.EXPIRED, ReuseStatus.LOCAL_HIT, ReuseStatus.ERROR}
+)
 
 
 def _report(raw: object) -> PrefillReport | None:

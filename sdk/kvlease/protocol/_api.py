@@ -78,6 +78,9 @@ class ReuseStatus(str, enum.Enum):
 
     HIT = "hit"  # P pulled D's blocks (some or all of the prompt was not recomputed)
     MISS = "miss"  # a handle was expected but none was usable (evicted, declined, no capture)
+    #: nothing left to pull: P's own prefix cache already covered the verified prefix (P recomputed
+    #: nothing it could have pulled). An SDK that predates it reads the value as no status.
+    LOCAL_HIT = "local_hit"
     FIRST = "first"  # first turn of a conversation: nothing to reuse yet
     EXPIRED = "expired"  # the lease on D ran out before this turn
     MISMATCH = "mismatch"  # the new prompt does not extend what D holds

@@ -1,0 +1,510 @@
+"""Agent sessions at equal offered load: plain P/D, upstream's NixlConnector and kvlease, side by side.
+
+Offered load is the number N of live agent sessions. Each live slot replays recorded sessions back to
+back (``benchmarks/data/agent_sessions.jsonl``: AIPerf's agentic-code synthesizer, parameters in
+``benchmarks/data/agent_sessions.md``), with each turn's recorded think/tool delay before it, the
+history resent every turn, for a fixed run length. Every arm replays the same sessions with the same
+delays, one arm after another on the same local real stack (vLLM CPU P/D with NIXL, the ``tiny``
+model), through kvlease's router:
+
+- ``plain``: NixlConnector P->D only (``bidirectional_kv_xfer`` off): every turn is recomputed on P
+  (beyond P's own prefix cache); router in stock-vLLM mode; a plain openai client.
+- ``upstream``: NixlConnector with ``bidirectional_kv_xfer`` and its fixed TTL on D; router in
+  stock-vLLM mode; a plain openai client (``X-Session-Id``: nothing renews D's blocks).
+- ``kvlease-device`` / ``kvlease-auto`` / ``kvlease-host``: KVLeaseConnector with ``placement``
+  ``device`` / ``auto`` / ``host`` (the last two with a host arena); the SDK (``kvlease.wrap``,
+  heartbeats on) keeps leases across tool pauses.
+
+AIPerf does not drive the stack here: on 2 cores its worker processes starve P and D (the replay is
+a light asyncio client in this process). To replay the real SemiAnalysis Claude Code traces with
+AIPerf against a real deployment (GPUs; the traces download from a hub)::
+
+    pip install agentx-harness==1.0.12   # AIPerf 0.13.0 underneath
+    aiperf profile --model MODEL --url http://ROUTER:8000 --endpoint-type chat --streaming \\
+        --input-file semianalysis_claude_code.jsonl --custom-dataset-type mooncake_trace \\
+        --session-header X-Session-ID --benchmark-duration 900
+
+Answers are shaped by structured outputs (a closed word list) so that the resent history
+re-tokenizes to the tokens D generated; the round-trip rate per arm says how often it did.
+
+    python benchmarks/agent_load.py [--quick] [--arms plain,kvlease-device] [--n 2,4,8] [--duration 120]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+for _p in (str(HERE), str(ROOT)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import _agent_sessions as S  # noqa: E402
+
+MODEL = "tiny"
+#: vLLM CPU's KV block (tokens); D's block count below is in these.
+BLOCK_TOKENS = 128
+#: The host arena of the ``auto`` / ``host`` arms (bytes).
+HOST_ARENA_BYTES = 64 << 20
+#: TTFT p90 target of "supported sessions" (seconds, this CPU stack).
+TTFT_TARGET_S = 1.5
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    connector: str  # "kvlease" | "nixl"
+    bidir: bool
+    kvlease: dict[str, Any] = field(default_factory=dict)
+    sdk: bool = False
+    what: str = ""
+
+
+ARMS: tuple[Arm, ...] = (
+    Arm("plain", "nixl", False, what="P: NixlConnector, D: NixlConnector (P->D only, no retention)"),
+    Arm("upstream", "nixl", True, what="P/D: NixlConnector, bidirectional_kv_xfer, D fixed TTL"),
+    Arm(
+        "kvlease-device",
+        "kvlease",
+        True,
+        {"placement": "device"},
+        sdk=True,
+        what="P/D: KVLeaseConnector, leases in D's KV cache, SDK heartbeats",
+    ),
+    Arm(
+        "kvlease-auto",
+        "kvlease",
+        True,
+        {"placement": "auto", "host_arena_bytes": HOST_ARENA_BYTES},
+        sdk=True,
+        what="P/D: KVLeaseConnector, leases in D's KV cache, demoted to a host arena under pressure",
+    ),
+    Arm(
+        "kvlease-host",
+        "kvlease",
+        True,
+        {"placement": "host", "host_arena_bytes": HOST_ARENA_BYTES},
+        sdk=True,
+        what="P/D: KVLeaseConnector, leases in a host arena",
+    ),
+)
+QUICK_ARMS = ("upstream", "kvlease-device")
+
+
+@dataclass(frozen=True)
+class Plan:
+    arms: tuple[Arm, ...]
+    ns: tuple[int, ...]
+    duration_s: float
+    gap_scale: float  # recorded delays x this
+    ttl_s: float  # D's TTL (upstream's fixed TTL; kvlease's lease TTL, renewed by heartbeats)
+    d_blocks: int
+    sizing: str
+
+
+def size_d(sessions: list[S.Session], ns: tuple[int, ...]) -> tuple[int, str]:
+    """D's KV blocks: room for three of the longest prompts at once (no turn is ever too long for
+    D), plus what the mean session holds between turns at the sweep's middle N, halved: from that N
+    up, retention and the running batch compete for the same blocks."""
+    lengths = []
+    for s in sessions:
+        total = 0
+        for t in s.turns:
+            total += t.input_tokens + t.output_tokens
+            lengths.append(total)
+    longest = max(lengths)
+    mean_hist = sum(lengths) / len(lengths)
+    per_long = math.ceil((longest + 64) / BLOCK_TOKENS)
+    per_session = math.ceil(mean_hist / BLOCK_TOKENS)
+    mid = ns[len(ns) // 2]
+    blocks = 3 * per_long + (mid * per_session) // 2
+    why = (
+        f"D: {blocks} KV blocks of {BLOCK_TOKENS} tokens (--num-gpu-blocks-override): 3 x the longest "
+        f"prompt ({longest} tokens, {per_long} blocks) + half of what {mid} sessions hold between turns "
+        f"({per_session} blocks each, mean history {mean_hist:.0f} tokens): from N~{mid} up, retained "
+        "blocks compete with the running batch"
+    )
+    return blocks, why
+
+
+def make_plan(quick: bool, arms: str | None, ns: str | None, duration: float | None) -> Plan:
+    sessions = S.load_sessions()
+    names = [a.strip() for a in arms.split(",")] if arms else list(QUICK_ARMS if quick else [a.name for a in ARMS])
+    by = {a.name: a for a in ARMS}
+    bad = [n for n in names if n not in by]
+    if bad:
+        raise ValueError(f"unknown arm(s) {bad}; known: {list(by)}")
+    sweep = tuple(int(x) for x in ns.split(",")) if ns else ((4,) if quick else (2, 4, 8))
+    blocks, why = size_d(sessions, sweep)
+    return Plan(
+        arms=tuple(by[n] for n in names),
+        ns=sweep,
+        duration_s=duration or (60.0 if quick else 180.0),
+        gap_scale=0.1 if quick else 1.0,
+        ttl_s=6.0 if quick else 60.0,
+        d_blocks=blocks,
+        sizing=why,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# The replay client
+# --------------------------------------------------------------------------------------------------
+
+
+class Progress:
+    """One line per arm phase on stderr: what, elapsed, remaining (planned)."""
+
+    def __init__(self, total_s: float) -> None:
+        self.t0 = time.monotonic()
+        self.total = total_s
+        self.done = 0.0
+
+    def say(self, what: str, planned_s: float = 0.0) -> None:
+        el = time.monotonic() - self.t0
+        left = max(0.0, self.total - self.done)
+        print(f"[agents] {what} | elapsed {el / 60:.1f} min, remaining ~{left / 60:.1f} min", file=sys.stderr, flush=True)
+        self.done += planned_s
+
+
+async def _turn(client: Any, model: str, messages: list[dict[str, str]], turn: S.Turn, extra: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    stream = await client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=turn.output_tokens + 8,
+        temperature=0.0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={**extra, "structured_outputs": {"regex": S.answer_regex(turn.output_tokens)}, "return_token_ids": True},
+        extra_headers=headers,
+    )
+    first = None
+    last = None
+    itl: list[float] = []
+    parts: list[str] = []
+    ids: list[int] = []
+    usage = None
+    finish = None
+    async for chunk in stream:
+        now = time.perf_counter()
+        if chunk.usage is not None:
+            usage = chunk.usage
+        if not chunk.choices:
+            continue
+        c = chunk.choices[0]
+        finish = c.finish_reason or finish
+        extra_ids = (c.model_extra or {}).get("token_ids")
+        if extra_ids:
+            ids.extend(int(x) for x in extra_ids)
+        if c.delta.content:
+            if first is None:
+                first = now
+            elif last is not None:
+                itl.append(now - last)
+            last = now
+            parts.append(c.delta.content)
+    resp = getattr(stream, "response", None)
+    hdr = resp.headers if resp is not None else {}
+    from kvlease.protocol import HEADER_REUSED_TOKENS, HEADER_STATUS
+
+    reused = hdr.get(HEADER_REUSED_TOKENS)
+    return {
+        "content": "".join(parts),
+        "token_ids": ids,
+        "finish": finish,
+        "ttft_s": None if first is None else first - t0,
+        "itl_s": itl,
+        "status": hdr.get(HEADER_STATUS),
+        "reused_tokens": int(reused) if reused and reused.strip().isdigit() else 0,
+        "prompt_tokens": usage.prompt_tokens if usage else None,
+        "completion_tokens": usage.completion_tokens if usage else None,
+    }
+
+
+async def _session(client: Any, arm: Arm, model: str, sess: S.Session, tag: str, shared: int, scale: float, deadline: float, out: list[dict[str, Any]]) -> None:
+    from kvlease.protocol import CACHE_SALT
+
+    conv_id = f"{tag}-{sess.id}"
+    extra = {CACHE_SALT: tag}
+    messages: list[dict[str, str]] = S.first_messages(sess, shared)
+    conv = client.conversation(id=conv_id) if arm.sdk else None
+    target = conv if conv is not None else client
+    headers = {} if arm.sdk else {"X-Session-Id": conv_id}
+    try:
+        for i, turn in enumerate(sess.turns):
+            if i > 0:
+                if time.monotonic() + turn.delay_s * scale > deadline:
+                    return
+                await asyncio.sleep(turn.delay_s * scale)
+                messages.append({"role": "user", "content": "Tool output:\n" + S.turn_text(turn)})
+            rec: dict[str, Any] = {"session": sess.id, "turn": i, "gap_s": turn.delay_s, "bucket": S.gap_bucket(turn.delay_s) if i else None}
+            try:
+                rec.update(await _turn(target, model, messages, turn, extra, headers))
+            except Exception as e:  # a failed turn: the client saw an error
+                rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                out.append(rec)
+                return
+            out.append(rec)
+            messages.append({"role": "assistant", "content": rec["content"]})
+    finally:
+        if conv is not None:
+            await conv.aclose()
+
+
+async def _slot(client: Any, arm: Arm, model: str, queue: list[S.Session], tag: str, shared: int, scale: float, deadline: float, out: list[dict[str, Any]]) -> None:
+    k = 0
+    while time.monotonic() < deadline:
+        sess = queue[k % len(queue)]
+        await _session(client, arm, model, sess, f"{tag}-r{k // len(queue)}", shared, scale, deadline, out)
+        k += 1
+
+
+async def _poll_d(stack: Any, t0: float, stop: asyncio.Event, samples: list[tuple[float, float]], every: float = 1.0) -> None:
+    import httpx
+
+    from kvlease.protocol import CONTROL_AUTH_HEADER, CONTROL_METRICS_PATH
+    from kvlease_stack import parse_prometheus
+
+    base = stack.decode.control
+    if base is None:
+        return
+    auth = {CONTROL_AUTH_HEADER: f"Bearer {stack.control_secret}"}
+    async with httpx.AsyncClient(timeout=5.0) as http:
+        while not stop.is_set():
+            try:
+                m = parse_prometheus((await http.get(base + CONTROL_METRICS_PATH, headers=auth)).text)
+                names = m.names()
+                key = "kvlease_device_blocks_held" if "kvlease_device_blocks_held" in names else "kvlease_retained_blocks"
+                samples.append((time.monotonic() - t0, m.total(key)))
+            except Exception:  # a missed poll is a gap in the series, not a failure of the arm
+                pass
+            try:
+                await asyncio.wait_for(stop.wait(), every)
+            except asyncio.TimeoutError:
+                pass
+
+
+def _d_counter(stack: Any, name: str) -> float:
+    try:
+        return float(stack.decode.metrics(timeout=10.0).total(name))
+    except Exception:
+        return math.nan
+
+
+async def _tokenize(url: str, model: str, texts: list[str]) -> list[list[int] | None]:
+    import httpx
+
+    out: list[list[int] | None] = []
+    async with httpx.AsyncClient(timeout=30.0) as http:
+        for text in texts:
+            try:
+                r = await http.post(url + "/tokenize", json={"model": model, "prompt": text, "add_special_tokens": False})
+                out.append([int(x) for x in r.json()["tokens"]])
+            except Exception:
+                out.append(None)
+    return out
+
+
+async def _replay(arm: Arm, stack: Any, router: str, sessions: list[S.Session], n: int, plan: Plan) -> dict[str, Any]:
+    from openai import AsyncOpenAI
+
+    import kvlease
+
+    shared = S.shared_prefix_blocks(sessions)
+    raw = AsyncOpenAI(base_url=router + "/v1", api_key="bench", max_retries=0, timeout=300)
+    client: Any = kvlease.wrap(raw, heartbeat=True) if arm.sdk else raw
+    turns: list[dict[str, Any]] = []
+    held: list[tuple[float, float]] = []
+    stop = asyncio.Event()
+    pre0 = _d_counter(stack, "vllm:num_preemptions_total")
+    t0 = time.monotonic()
+    deadline = t0 + plan.duration_s
+    poller = asyncio.create_task(_poll_d(stack, t0, stop, held))
+    tag = f"{arm.name}-n{n}"
+    try:
+        await asyncio.gather(*(_slot(client, arm, stack.model_name, q, tag, shared, plan.gap_scale, deadline, turns) for q in S.schedule(sessions, n)))
+    finally:
+        wall = time.monotonic() - t0
+        stop.set()
+        await poller
+        if arm.sdk:
+            await client.aclose()
+        else:
+            await raw.close()
+    preempt = _d_counter(stack, "vllm:num_preemptions_total") - pre0
+    # round trip: does the answer's text re-tokenize to what D generated (D holds those tokens)?
+    done = [t for t in turns if not t.get("error") and t.get("token_ids")]
+    toks = await _tokenize(stack.prefill.url, stack.model_name, [t["content"] for t in done])
+    for t, ids in zip(done, toks):
+        gen = list(t["token_ids"])
+        if t.get("finish") == "stop" and ids is not None and len(gen) == len(ids) + 1:
+            gen = gen[:-1]  # the stop token: the template writes it back as <|im_end|>
+        t["round_trip_answer"] = None if ids is None else ids == gen
+    by_key = {(t["session"], t["turn"]): t for t in turns}
+    for t in turns:
+        prev = by_key.get((t["session"], t["turn"] - 1)) if t["turn"] > 0 else None
+        t["round_trip"] = None if prev is None else prev.get("round_trip_answer")
+        t.pop("token_ids", None)
+        t.pop("content", None)
+    out = S.summarize(turns, wall)
+    block_s, mx = S.block_seconds(held)
+    out |= {
+        "n": n,
+        "wall_s": round(wall, 1),
+        "d_preemptions": preempt,
+        "lease_blocks": {"block_s": round(block_s, 1), "max": mx, "series": [(round(t, 1), b) for t, b in held]},
+        "errors": sorted({t["error"] for t in turns if t.get("error")})[:5],
+    }
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Arms
+# --------------------------------------------------------------------------------------------------
+
+
+def _spec(arm: Arm, plan: Plan) -> Any:
+    from kvlease_stack import StackSpec, default_dtype
+
+    return StackSpec(
+        model=MODEL,
+        connector=arm.connector,  # type: ignore[arg-type]
+        bidir=arm.bidir,
+        ttl=plan.ttl_s,
+        kvlease=arm.kvlease,
+        prefix_caching=True,
+        dtype=default_dtype(),
+        decode_args=("--num-gpu-blocks-override", str(plan.d_blocks)),
+    )
+
+
+def _budgets(arm: Arm, plan: Plan) -> str:
+    d = f"D KV {plan.d_blocks} blocks x {BLOCK_TOKENS} tokens"
+    if arm.kvlease.get("host_arena_bytes"):
+        d += f", host arena {arm.kvlease['host_arena_bytes'] >> 20} MiB"
+    return d + f", TTL {plan.ttl_s:g} s" + (" (fixed)" if not arm.sdk and arm.bidir else "")
+
+
+def run_arm(arm: Arm, plan: Plan, sessions: list[S.Session], progress: Progress) -> dict[str, Any]:
+    from kvlease_stack import Stack
+    from kvlease_stack.demo import router_process
+
+    res: dict[str, Any] = {"connectors": arm.what, "budgets": _budgets(arm, plan), "kvlease": arm.kvlease, "by_n": {}}
+    progress.say(f"{arm.name}: starting the stack ({arm.what})", 90)
+    try:
+        stack = Stack.start(_spec(arm, plan), timeout=420)
+    except Exception as e:  # the arm's stack refused (e.g. a key this connector does not know)
+        res["not_run"] = f"{type(e).__name__}: {str(e)[-600:]}"
+        progress.say(f"{arm.name}: not run: {res['not_run'][:160]}")
+        return res
+    try:
+        with stack, router_process(stack) as router:
+            for n in plan.ns:
+                progress.say(f"{arm.name}: N={n} replay ({plan.duration_s:g} s)", plan.duration_s)
+                r = asyncio.run(_replay(arm, stack, router, sessions, n, plan))
+                res["by_n"][str(n)] = r
+                print(f"  {arm.name} N={n}: {_line(r)}", flush=True)
+    except Exception as e:
+        res["error"] = f"{type(e).__name__}: {str(e)[-600:]}"
+    p90 = {int(n): r["ttft_s"]["p90"] for n, r in res["by_n"].items()}
+    res["supported_sessions"] = S.supported_sessions(p90, TTFT_TARGET_S)
+    return res
+
+
+def _f(x: float | None, scale: float = 1.0, fmt: str = ".0f") -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x * scale, fmt)
+
+
+def _line(r: dict[str, Any]) -> str:
+    t = r["ttft_s"]
+    return (
+        f"TTFT p50/p90/p99 {_f(t['p50'], 1e3)}/{_f(t['p90'], 1e3)}/{_f(t['p99'], 1e3)} ms, "
+        f"hit {_f(r['hit_rate'], 100)} %, reused {_f(r['reused_token_share'], 100)} %, "
+        f"round-trip {_f(r['round_trip_rate'], 100)} %, lease block·s {r['lease_blocks']['block_s']:.0f} "
+        f"(max {r['lease_blocks']['max']:.0f}), preemptions {_f(r['d_preemptions'])}, "
+        f"{_f(r['decode_tokens_per_s'], 1, '.1f')} tok/s, ITL p50/p99 {_f(r['itl_s']['p50'], 1e3)}/"
+        f"{_f(r['itl_s']['p99'], 1e3)} ms, failed {r['failed_turns']}/{r['turns']}, {r['statuses']}"
+    )
+
+
+def run(quick: bool = False, arms: str | None = None, ns: str | None = None, duration: float | None = None) -> dict[str, Any]:
+    plan = make_plan(quick, arms, ns, duration)
+    sessions = S.load_sessions()
+    print(plan.sizing, flush=True)
+    total = len(plan.arms) * (90 + len(plan.ns) * plan.duration_s)
+    progress = Progress(total)
+    out: dict[str, Any] = {
+        "model": MODEL,
+        "sessions_file": "benchmarks/data/agent_sessions.jsonl (AIPerf 0.13.0 agentic-code synthesizer)",
+        "sessions": len(sessions),
+        "ns": list(plan.ns),
+        "duration_s": plan.duration_s,
+        "gap_scale": plan.gap_scale,
+        "gap_note": (
+            f"recorded think/tool delays x {plan.gap_scale:g} (buckets by recorded gap)" if plan.gap_scale != 1 else "recorded delays"
+        ),
+        "ttl_s": plan.ttl_s,
+        "d_blocks": plan.d_blocks,
+        "d_sizing": plan.sizing,
+        "ttft_target_s": TTFT_TARGET_S,
+        "replay": "light asyncio client in the benchmark process (AIPerf generated the sessions, does not drive the stack)",
+        "arms": {},
+    }
+    for arm in plan.arms:
+        out["arms"][arm.name] = run_arm(arm, plan, sessions, progress)
+    progress.say("done")
+    return out
+
+
+def print_table(res: dict[str, Any]) -> None:
+    print(f"\n{res['sessions']} sessions ({res['sessions_file']}), {res['gap_note']}, run {res['duration_s']:g} s per N")
+    print(res["d_sizing"])
+    head = f"{'arm':16s} {'N':>3s} {'TTFT p50':>9s} {'p90':>7s} {'p99':>7s} {'hit %':>6s} {'reused %':>8s} {'rt %':>5s} {'blk·s':>8s} {'max':>5s} {'preempt':>7s} {'tok/s':>6s} {'ITL p99':>8s} {'failed':>7s}"
+    print(head)
+    print("-" * len(head))
+    for name, a in res["arms"].items():
+        if a.get("not_run"):
+            print(f"{name:16s} not run: {a['not_run'][:200]}")
+            continue
+        for n, r in a["by_n"].items():
+            t = r["ttft_s"]
+            print(
+                f"{name:16s} {n:>3s} {_f(t['p50'], 1e3):>9s} {_f(t['p90'], 1e3):>7s} {_f(t['p99'], 1e3):>7s} "
+                f"{_f(r['hit_rate'], 100):>6s} {_f(r['reused_token_share'], 100):>8s} {_f(r['round_trip_rate'], 100):>5s} "
+                f"{r['lease_blocks']['block_s']:>8.0f} {r['lease_blocks']['max']:>5.0f} {_f(r['d_preemptions']):>7s} "
+                f"{_f(r['decode_tokens_per_s'], 1, '.1f'):>6s} {_f(r['itl_s']['p99'], 1e3):>8s} {r['failed_turns']:>3d}/{r['turns']:<3d}"
+            )
+        print(f"{'':16s} supported sessions (TTFT p90 <= {res['ttft_target_s']:g} s): {a.get('supported_sessions')}; {a['connectors']}; {a['budgets']}")
+    print("\nTTFT by recorded gap (p90 ms, n):")
+    for name, a in res["arms"].items():
+        for n, r in a.get("by_n", {}).items():
+            cells = ", ".join(f"{b} {_f(v['p90'], 1e3)} ({v['n']})" for b, v in r["ttft_by_gap_s"].items())
+            print(f"  {name} N={n}: {cells}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help=f"arms {','.join(QUICK_ARMS)}, N=4, 60 s, gaps x 0.1")
+    ap.add_argument("--arms", help=f"comma-separated, of {','.join(a.name for a in ARMS)}")
+    ap.add_argument("--n", help="comma-separated live-session counts (the sweep)")
+    ap.add_argument("--duration", type=float, help="run length per N (s)")
+    ap.add_argument("--json", type=Path, help="also write the figures here")
+    a = ap.parse_args()
+    res = run(quick=a.quick, arms=a.arms, ns=a.n, duration=a.duration)
+    print_table(res)
+    if a.json:
+        a.json.write_text(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()
