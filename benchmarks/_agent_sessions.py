@@ -11,6 +11,7 @@ text), ``delay`` (ms before the turn: the recorded think or tool time). How it w
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
@@ -61,7 +62,12 @@ def load_sessions(path: Path = SESSIONS_FILE) -> list[Session]:
             turns[sid] = []
         delay = 0.0 if not turns[sid] else float(row.get("delay", 0.0)) / 1000.0
         turns[sid].append(
-            Turn(tuple(int(h) for h in row["hash_ids"]), int(row["input_length"]), int(row["output_length"]), delay)
+            Turn(
+                tuple(int(h) for h in row["hash_ids"]),
+                int(row["input_length"]),
+                int(row["output_length"]),
+                delay,
+            )
         )
     return [Session(sid, tuple(turns[sid])) for sid in order]
 
@@ -73,7 +79,7 @@ def block_text(h: int) -> str:
     """Deterministic code-like text for one hash id (about one 16-token block)."""
     rng = random.Random(h)
     a, b = rng.choice(_WORDS), rng.choice(_WORDS)
-    return f"    r{h % 997} = {a}_{b}(item{rng.randrange(100)}, {rng.randrange(1000)})\n"
+    return f"r{h % 997} = {a}_{b}(item{rng.randrange(100)}, {rng.randrange(1000)})\n"
 
 
 def turn_text(turn: Turn) -> str:
@@ -84,7 +90,9 @@ def first_messages(session: Session, shared_blocks: int) -> list[dict[str, str]]
     """The first turn: the hash ids every session shares (AIPerf's layer 1) as the system prompt,
     the rest as the task."""
     ids = session.turns[0].hash_ids
-    system = "You are a coding agent. Repository context:\n" + "".join(block_text(h) for h in ids[:shared_blocks])
+    system = "You are a coding agent. Repository context:\n" + "".join(
+        block_text(h) for h in ids[:shared_blocks]
+    )
     task = "Task: fix the failing handler.\n" + "".join(block_text(h) for h in ids[shared_blocks:])
     return [{"role": "system", "content": system}, {"role": "user", "content": task}]
 
@@ -99,11 +107,12 @@ def shared_prefix_blocks(sessions: Sequence[Session]) -> int:
 
 
 def answer_regex(tokens: int) -> str:
-    """The answer's shape (structured outputs): lowercase words from a closed list, about
-    ``tokens`` of them, so the model's answer re-tokenizes to what it generated."""
-    n = max(2, tokens // 2)
-    words = "|".join(_WORDS)
-    return f"({words})( ({words})){{{n - 1},{n}}}"
+    """The answer's shape (structured outputs): single digits joined by commas, about ``tokens``
+    tokens. The stack's models do not re-tokenize their own free text to what they generated (a
+    guided answer of words comes out a character a token); digits and commas never merge in their
+    tokenizer, so this answer's text re-tokenizes to exactly the tokens D holds."""
+    n = max(2, (tokens + 1) // 2)
+    return f"[0-9](,[0-9]){{{n - 1}}}"
 
 
 def schedule(sessions: Sequence[Session], n: int) -> list[list[Session]]:
@@ -145,7 +154,7 @@ def block_seconds(samples: Sequence[tuple[float, float]]) -> tuple[float, float]
     """(block·s, max) of a step function sampled as ``(t, blocks)``: each value holds until the next
     sample (trapezoids would invent blocks between polls)."""
     total = 0.0
-    for (t0, b0), (t1, _) in zip(samples, samples[1:]):
+    for (t0, b0), (t1, _) in itertools.pairwise(samples):
         total += b0 * max(0.0, t1 - t0)
     return total, max((b for _, b in samples), default=0.0)
 
@@ -183,9 +192,7 @@ def summarize(turns: Sequence[dict[str, Any]], wall_s: float) -> dict[str, Any]:
         "hit_rate": len(hits) / len(follow) if follow else None,
         "reused_token_share": reused / prompt if prompt else None,
         "statuses": statuses,
-        "round_trip_rate": (
-            sum(1 for t in checked if t["round_trip"]) / len(checked) if checked else None
-        ),
+        "round_trip_rate": (sum(1 for t in checked if t["round_trip"]) / len(checked) if checked else None),
         "decode_tokens_per_s": out_tokens / wall_s if wall_s > 0 else None,
         "itl_s": pcts(itl, (50, 99)),
     }

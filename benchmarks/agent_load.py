@@ -138,7 +138,11 @@ def size_d(sessions: list[S.Session], ns: tuple[int, ...]) -> tuple[int, str]:
 
 def make_plan(quick: bool, arms: str | None, ns: str | None, duration: float | None) -> Plan:
     sessions = S.load_sessions()
-    names = [a.strip() for a in arms.split(",")] if arms else list(QUICK_ARMS if quick else [a.name for a in ARMS])
+    names = (
+        [a.strip() for a in arms.split(",")]
+        if arms
+        else list(QUICK_ARMS if quick else [a.name for a in ARMS])
+    )
     by = {a.name: a for a in ARMS}
     bad = [n for n in names if n not in by]
     if bad:
@@ -172,11 +176,22 @@ class Progress:
     def say(self, what: str, planned_s: float = 0.0) -> None:
         el = time.monotonic() - self.t0
         left = max(0.0, self.total - self.done)
-        print(f"[agents] {what} | elapsed {el / 60:.1f} min, remaining ~{left / 60:.1f} min", file=sys.stderr, flush=True)
+        print(
+            f"[agents] {what} | elapsed {el / 60:.1f} min, remaining ~{left / 60:.1f} min",
+            file=sys.stderr,
+            flush=True,
+        )
         self.done += planned_s
 
 
-async def _turn(client: Any, model: str, messages: list[dict[str, str]], turn: S.Turn, extra: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
+async def _turn(
+    client: Any,
+    model: str,
+    messages: list[dict[str, str]],
+    turn: S.Turn,
+    extra: dict[str, Any],
+    headers: dict[str, str],
+) -> dict[str, Any]:
     t0 = time.perf_counter()
     stream = await client.chat.completions.create(
         model=model,
@@ -185,7 +200,11 @@ async def _turn(client: Any, model: str, messages: list[dict[str, str]], turn: S
         temperature=0.0,
         stream=True,
         stream_options={"include_usage": True},
-        extra_body={**extra, "structured_outputs": {"regex": S.answer_regex(turn.output_tokens)}, "return_token_ids": True},
+        extra_body={
+            **extra,
+            "structured_outputs": {"regex": S.answer_regex(turn.output_tokens)},
+            "return_token_ids": True,
+        },
         extra_headers=headers,
     )
     first = None
@@ -231,7 +250,17 @@ async def _turn(client: Any, model: str, messages: list[dict[str, str]], turn: S
     }
 
 
-async def _session(client: Any, arm: Arm, model: str, sess: S.Session, tag: str, shared: int, scale: float, deadline: float, out: list[dict[str, Any]]) -> None:
+async def _session(
+    client: Any,
+    arm: Arm,
+    model: str,
+    sess: S.Session,
+    tag: str,
+    shared: int,
+    scale: float,
+    deadline: float,
+    out: list[dict[str, Any]],
+) -> None:
     from kvlease.protocol import CACHE_SALT
 
     conv_id = f"{tag}-{sess.id}"
@@ -247,7 +276,12 @@ async def _session(client: Any, arm: Arm, model: str, sess: S.Session, tag: str,
                     return
                 await asyncio.sleep(turn.delay_s * scale)
                 messages.append({"role": "user", "content": "Tool output:\n" + S.turn_text(turn)})
-            rec: dict[str, Any] = {"session": sess.id, "turn": i, "gap_s": turn.delay_s, "bucket": S.gap_bucket(turn.delay_s) if i else None}
+            rec: dict[str, Any] = {
+                "session": sess.id,
+                "turn": i,
+                "gap_s": turn.delay_s,
+                "bucket": S.gap_bucket(turn.delay_s) if i else None,
+            }
             try:
                 rec.update(await _turn(target, model, messages, turn, extra, headers))
             except Exception as e:  # a failed turn: the client saw an error
@@ -261,7 +295,17 @@ async def _session(client: Any, arm: Arm, model: str, sess: S.Session, tag: str,
             await conv.aclose()
 
 
-async def _slot(client: Any, arm: Arm, model: str, queue: list[S.Session], tag: str, shared: int, scale: float, deadline: float, out: list[dict[str, Any]]) -> None:
+async def _slot(
+    client: Any,
+    arm: Arm,
+    model: str,
+    queue: list[S.Session],
+    tag: str,
+    shared: int,
+    scale: float,
+    deadline: float,
+    out: list[dict[str, Any]],
+) -> None:
     k = 0
     while time.monotonic() < deadline:
         sess = queue[k % len(queue)]
@@ -269,7 +313,9 @@ async def _slot(client: Any, arm: Arm, model: str, queue: list[S.Session], tag: 
         k += 1
 
 
-async def _poll_d(stack: Any, t0: float, stop: asyncio.Event, samples: list[tuple[float, float]], every: float = 1.0) -> None:
+async def _poll_d(
+    stack: Any, t0: float, stop: asyncio.Event, samples: list[tuple[float, float]], every: float = 1.0
+) -> None:
     import httpx
 
     from kvlease.protocol import CONTROL_AUTH_HEADER, CONTROL_METRICS_PATH
@@ -284,7 +330,11 @@ async def _poll_d(stack: Any, t0: float, stop: asyncio.Event, samples: list[tupl
             try:
                 m = parse_prometheus((await http.get(base + CONTROL_METRICS_PATH, headers=auth)).text)
                 names = m.names()
-                key = "kvlease_device_blocks_held" if "kvlease_device_blocks_held" in names else "kvlease_retained_blocks"
+                key = (
+                    "kvlease_device_blocks_held"
+                    if "kvlease_device_blocks_held" in names
+                    else "kvlease_retained_blocks"
+                )
                 samples.append((time.monotonic() - t0, m.total(key)))
             except Exception:  # a missed poll is a gap in the series, not a failure of the arm
                 pass
@@ -308,14 +358,18 @@ async def _tokenize(url: str, model: str, texts: list[str]) -> list[list[int] | 
     async with httpx.AsyncClient(timeout=30.0) as http:
         for text in texts:
             try:
-                r = await http.post(url + "/tokenize", json={"model": model, "prompt": text, "add_special_tokens": False})
+                r = await http.post(
+                    url + "/tokenize", json={"model": model, "prompt": text, "add_special_tokens": False}
+                )
                 out.append([int(x) for x in r.json()["tokens"]])
             except Exception:
                 out.append(None)
     return out
 
 
-async def _replay(arm: Arm, stack: Any, router: str, sessions: list[S.Session], n: int, plan: Plan) -> dict[str, Any]:
+async def _replay(
+    arm: Arm, stack: Any, router: str, sessions: list[S.Session], n: int, plan: Plan
+) -> dict[str, Any]:
     from openai import AsyncOpenAI
 
     import kvlease
@@ -332,13 +386,18 @@ async def _replay(arm: Arm, stack: Any, router: str, sessions: list[S.Session], 
     poller = asyncio.create_task(_poll_d(stack, t0, stop, held))
     tag = f"{arm.name}-n{n}"
     try:
-        await asyncio.gather(*(_slot(client, arm, stack.model_name, q, tag, shared, plan.gap_scale, deadline, turns) for q in S.schedule(sessions, n)))
+        await asyncio.gather(
+            *(
+                _slot(client, arm, stack.model_name, q, tag, shared, plan.gap_scale, deadline, turns)
+                for q in S.schedule(sessions, n)
+            )
+        )
     finally:
         wall = time.monotonic() - t0
         stop.set()
         await poller
         if arm.sdk:
-            await client.aclose()
+            await client.close()
         else:
             await raw.close()
     preempt = _d_counter(stack, "vllm:num_preemptions_total") - pre0
@@ -362,7 +421,11 @@ async def _replay(arm: Arm, stack: Any, router: str, sessions: list[S.Session], 
         "n": n,
         "wall_s": round(wall, 1),
         "d_preemptions": preempt,
-        "lease_blocks": {"block_s": round(block_s, 1), "max": mx, "series": [(round(t, 1), b) for t, b in held]},
+        "lease_blocks": {
+            "block_s": round(block_s, 1),
+            "max": mx,
+            "series": [(round(t, 1), b) for t, b in held],
+        },
         "errors": sorted({t["error"] for t in turns if t.get("error")})[:5],
     }
     return out
@@ -399,7 +462,12 @@ def run_arm(arm: Arm, plan: Plan, sessions: list[S.Session], progress: Progress)
     from kvlease_stack import Stack
     from kvlease_stack.demo import router_process
 
-    res: dict[str, Any] = {"connectors": arm.what, "budgets": _budgets(arm, plan), "kvlease": arm.kvlease, "by_n": {}}
+    res: dict[str, Any] = {
+        "connectors": arm.what,
+        "budgets": _budgets(arm, plan),
+        "kvlease": arm.kvlease,
+        "by_n": {},
+    }
     progress.say(f"{arm.name}: starting the stack ({arm.what})", 90)
     try:
         stack = Stack.start(_spec(arm, plan), timeout=420)
@@ -437,7 +505,9 @@ def _line(r: dict[str, Any]) -> str:
     )
 
 
-def run(quick: bool = False, arms: str | None = None, ns: str | None = None, duration: float | None = None) -> dict[str, Any]:
+def run(
+    quick: bool = False, arms: str | None = None, ns: str | None = None, duration: float | None = None
+) -> dict[str, Any]:
     plan = make_plan(quick, arms, ns, duration)
     sessions = S.load_sessions()
     print(plan.sizing, flush=True)
@@ -451,7 +521,9 @@ def run(quick: bool = False, arms: str | None = None, ns: str | None = None, dur
         "duration_s": plan.duration_s,
         "gap_scale": plan.gap_scale,
         "gap_note": (
-            f"recorded think/tool delays x {plan.gap_scale:g} (buckets by recorded gap)" if plan.gap_scale != 1 else "recorded delays"
+            f"recorded think/tool delays x {plan.gap_scale:g} (buckets by recorded gap)"
+            if plan.gap_scale != 1
+            else "recorded delays"
         ),
         "ttl_s": plan.ttl_s,
         "d_blocks": plan.d_blocks,
@@ -467,7 +539,9 @@ def run(quick: bool = False, arms: str | None = None, ns: str | None = None, dur
 
 
 def print_table(res: dict[str, Any]) -> None:
-    print(f"\n{res['sessions']} sessions ({res['sessions_file']}), {res['gap_note']}, run {res['duration_s']:g} s per N")
+    print(
+        f"\n{res['sessions']} sessions ({res['sessions_file']}), {res['gap_note']}, run {res['duration_s']:g} s per N"
+    )
     print(res["d_sizing"])
     head = f"{'arm':16s} {'N':>3s} {'TTFT p50':>9s} {'p90':>7s} {'p99':>7s} {'hit %':>6s} {'reused %':>8s} {'rt %':>5s} {'blk·s':>8s} {'max':>5s} {'preempt':>7s} {'tok/s':>6s} {'ITL p99':>8s} {'failed':>7s}"
     print(head)
@@ -484,7 +558,9 @@ def print_table(res: dict[str, Any]) -> None:
                 f"{r['lease_blocks']['block_s']:>8.0f} {r['lease_blocks']['max']:>5.0f} {_f(r['d_preemptions']):>7s} "
                 f"{_f(r['decode_tokens_per_s'], 1, '.1f'):>6s} {_f(r['itl_s']['p99'], 1e3):>8s} {r['failed_turns']:>3d}/{r['turns']:<3d}"
             )
-        print(f"{'':16s} supported sessions (TTFT p90 <= {res['ttft_target_s']:g} s): {a.get('supported_sessions')}; {a['connectors']}; {a['budgets']}")
+        print(
+            f"{'':16s} supported sessions (TTFT p90 <= {res['ttft_target_s']:g} s): {a.get('supported_sessions')}; {a['connectors']}; {a['budgets']}"
+        )
     print("\nTTFT by recorded gap (p90 ms, n):")
     for name, a in res["arms"].items():
         for n, r in a.get("by_n", {}).items():
@@ -494,7 +570,9 @@ def print_table(res: dict[str, Any]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help=f"arms {','.join(QUICK_ARMS)}, N=4, 60 s, gaps x 0.1")
+    ap.add_argument(
+        "--quick", action="store_true", help=f"arms {','.join(QUICK_ARMS)}, N=4, 60 s, gaps x 0.1"
+    )
     ap.add_argument("--arms", help=f"comma-separated, of {','.join(a.name for a in ARMS)}")
     ap.add_argument("--n", help="comma-separated live-session counts (the sweep)")
     ap.add_argument("--duration", type=float, help="run length per N (s)")

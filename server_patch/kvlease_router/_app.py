@@ -204,8 +204,44 @@ def _status(router: RouterRuntime) -> RouterStatus:
 
 
 def _describe(node: Node, now: float) -> dict[str, object]:
-    """A node in the status: its description and the READ transport its ``/info`` reported."""
-    return {**node.describe(now), "transport": None if node.info is None else node.info.transport}
+    """A node in the status: its description, the READ transport its ``/info`` reported, and its
+    lease placement and tier figures (``kvlease_device_blocks_held``, ``kvlease_host_bytes_used``...)
+    as of the last refresh (:func:`_refresh_infos`)."""
+    info = node.info
+    return {
+        **node.describe(now),
+        "transport": None if info is None else info.transport,
+        "placement": None if info is None else info.placement,
+        "tier": {} if info is None else dict(info.tier),
+    }
+
+
+#: The status refreshes the nodes' ``/info`` at most this often (it is an operator's endpoint).
+INFO_REFRESH_S = 1.0
+
+
+async def _refresh_infos(router: RouterRuntime) -> None:
+    """Fetch every node's ``/info`` again (bounded by the control timeout, all at once); a node
+    that does not answer keeps the facts it last gave."""
+    now = time.monotonic()
+    if now - router.infos_refreshed_at < INFO_REFRESH_S:
+        return
+    router.infos_refreshed_at = now
+    nodes = list(router.upstreams.all())
+
+    async def one(node: Node, control: str) -> None:
+        try:
+            data = await _get_json(
+                router.http(),
+                control + CONTROL_INFO_PATH,
+                router.control_headers(),
+                router.settings.control_timeout,
+            )
+            node.info = ControlInfo.from_json(data)
+        except (ConfigError, ProtocolError, aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            pass  # orjson.JSONDecodeError is a ValueError
+
+    await asyncio.gather(*(one(n, n.control) for n in nodes if n.control is not None))
 
 
 def create_app(
@@ -246,6 +282,7 @@ def create_app(
         return await handle_turn(request, router, False)
 
     async def status(request: web.Request) -> web.Response:
+        await _refresh_infos(router)
         return web.Response(body=orjson.dumps(_status(router).to_json()), content_type=JSON_CT)
 
     async def health(request: web.Request) -> web.Response:

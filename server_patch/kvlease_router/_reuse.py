@@ -101,9 +101,7 @@ def judge_prefill(p_body: Mapping[str, Any], offered_tokens: int) -> tuple[Reuse
 
 
 #: The statuses P's report may say for a turn it pulled nothing for (anything else reads as a miss).
-_DECLINED = frozenset(
-    {ReuseStatus.MISMATCH, ReuseStatus.EXPIRED, ReuseStatus.LOCAL_HIT, ReuseStatus.ERROR}
-)
+_DECLINED = frozenset({ReuseStatus.MISMATCH, ReuseStatus.EXPIRED, ReuseStatus.LOCAL_HIT, ReuseStatus.ERROR})
 
 
 def _report(raw: object) -> PrefillReport | None:

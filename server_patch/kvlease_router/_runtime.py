@@ -78,6 +78,8 @@ class RouterRuntime:
     plan: ClusterPlan | None = None
     session: aiohttp.ClientSession | None = None
     started_at: float = field(default_factory=time.time)
+    #: When the status last refreshed the nodes' /info (monotonic; 0: never).
+    infos_refreshed_at: float = 0.0
 
     def __post_init__(self) -> None:
         self.keyer = Keyer(self.settings.key_secret)

@@ -34,6 +34,13 @@ STAT_DEMOTION_S = "kvlease_demotion_s"  # seconds per demotion on D
 STAT_KEYS = (STAT_PULLS + "device", STAT_PULLS + "host", STAT_DEMOTION_S)
 #: A demotion's time, from the copy's start to the worker seeing it done (polled once a step on
 #: CUDA): 1k-24k tokens of a 32B-class model are 0.25-6 GiB, 5-120 ms at the PCIe rate.
+_TIER_PREFIXES = (
+    "kvlease_device_blocks_",
+    "kvlease_host_bytes_",
+    "kvlease_demotion",
+    "kvlease_evictions",
+    "kvlease_pulls",
+)
 _DEMOTION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -153,6 +160,20 @@ class ConnectorMetrics:
                 self.pulls.labels(source).inc(n)
         for seconds in data.get(STAT_DEMOTION_S) or ():
             self.demotion_seconds.observe(seconds)
+
+    def tier(self) -> dict[str, float]:
+        """The tier figures now, under their exported names (labels in Prometheus' text form), for
+        ``GET /info`` and the router's status."""
+        out: dict[str, float] = {}
+        for family in self.registry.collect():
+            for sample in family.samples:
+                if not sample.name.startswith(_TIER_PREFIXES) or sample.name.endswith(
+                    ("_created", "_bucket")
+                ):
+                    continue
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+                out[f"{sample.name}{{{labels}}}" if labels else sample.name] = float(sample.value)
+        return out
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

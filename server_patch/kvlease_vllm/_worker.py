@@ -53,11 +53,11 @@ from kvlease.protocol._staging import (
     StagingRequest,
 )
 from kvlease_vllm import _staging
-from kvlease_vllm._compat import NixlPullConnectorWorker, init_logger, vllm_envs
+from kvlease_vllm._compat import NixlKVConnectorStats, NixlPullConnectorWorker, init_logger, vllm_envs
 from kvlease_vllm._config import PLACEMENT_DEVICE, ConfigError, KVLeaseConfig, check_staging_memory
-from kvlease_vllm._metrics import STAT_DEMOTION_S, STAT_PULLS
+from kvlease_vllm._metrics import STAT_DEMOTION_S, STAT_KEYS, STAT_PULLS
 from kvlease_vllm._stagecopy import StagingCopier, kv_tensors, region_views
-from kvlease_vllm._worker_arena import ArenaStore, KVLeaseStats, ReadPlan, allocate_arena
+from kvlease_vllm._worker_arena import ArenaStore, ReadPlan, allocate_arena
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -69,6 +69,22 @@ __all__ = ["KVLeaseWorker"]
 
 _ASK, _READ, _SCATTER = "ask", "read", "scatter"
 _DEVICE = STAGED_FROM_DEVICE
+
+
+class KVLeaseStats(NixlKVConnectorStats):  # type: ignore[misc]
+    """Upstream's NIXL connector stats with kvlease's keys (:data:`STAT_KEYS`), so that every
+    worker's stats aggregate alike and a step with only kvlease's figures is still sent."""
+
+    def reset(self) -> None:
+        super().reset()
+        for key in STAT_KEYS:
+            self.data[key] = []
+
+    def is_empty(self) -> bool:
+        return bool(super().is_empty()) and not any(self.data.get(k) for k in STAT_KEYS)
+
+    def record(self, key: str, value: float) -> None:
+        self.data.setdefault(key, []).append(value)
 
 
 @dataclass

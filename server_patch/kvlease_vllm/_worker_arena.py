@@ -28,6 +28,7 @@ an H200, a promotion at 55 GB/s); P reads the staging buffer as for a device-hel
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -38,12 +39,10 @@ import torch
 
 from kvlease.protocol._staging import STAGED_FROM_DEVICE, STAGED_FROM_HOST
 from kvlease_vllm import _arena_copy
-from kvlease_vllm._compat import NixlKVConnectorStats, init_logger
 from kvlease_vllm._config import ConfigError, check_arena_memory
 from kvlease_vllm._hostlease import ALLOCATED_ATTR, DEMOTES_ATTR, DROPS_ATTR, Demotion
-from kvlease_vllm._metrics import STAT_KEYS
 
-logger = init_logger("vllm.kvlease.arena")
+logger = logging.getLogger("vllm.kvlease.arena")  # under vLLM's handler inside a server
 
 #: Why a read was not served (the staging refusal's detail).
 REUSED: Final = "the device copy was reused and the lease is not in the host arena"
@@ -241,22 +240,6 @@ class ArenaStore:
                 "in_arena": sum(p.offset is not None for p in self._placed.values()),
                 "arena_bytes": self.capacity,
             }
-
-
-class KVLeaseStats(NixlKVConnectorStats):  # type: ignore[misc]
-    """Upstream's NIXL connector stats with kvlease's keys (:data:`STAT_KEYS`), so that every
-    worker's stats aggregate alike and a step with only kvlease's figures is still sent."""
-
-    def reset(self) -> None:
-        super().reset()
-        for key in STAT_KEYS:
-            self.data[key] = []
-
-    def is_empty(self) -> bool:
-        return bool(super().is_empty()) and not any(self.data.get(k) for k in STAT_KEYS)
-
-    def record(self, key: str, value: float) -> None:
-        self.data.setdefault(key, []).append(value)
 
 
 def available_host_bytes() -> int:

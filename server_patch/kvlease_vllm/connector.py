@@ -197,6 +197,8 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
             connector_version=int(NIXL_CONNECTOR_VERSION),
             data_parallel_index=self.dp_index,
             transport=self.transport,
+            placement=self.cfg.resolved_placement() if role is not Role.PREFILL else None,
+            tier=self.metrics.tier(),
         )
 
     # ------------------------------------------------------------------ P side

@@ -34,7 +34,13 @@ from kvlease.protocol import (
     handle_mac,
     tail_hash,
 )
-from kvlease.protocol._handle import LEASE_HANDLE_STAGING, TransferParams, _ids_ok
+from kvlease.protocol._handle import (
+    HOST_PLACEMENT_VERSION,
+    LEASE_HANDLE_PLACEMENT,
+    LEASE_HANDLE_STAGING,
+    TransferParams,
+    _ids_ok,
+)
 
 # ---- the reference: the parser before the fast paths ----------------------------------------------
 
@@ -72,8 +78,13 @@ def _ref_ext_from_json(data: object) -> LeaseHandleExt:
     if not isinstance(data, Mapping):
         raise ProtocolError("kvlease must be an object")
     version = data.get("v")
-    if version != PROTOCOL_VERSION:
-        raise ProtocolError(f"kvlease.v is {version!r}; this build speaks {PROTOCOL_VERSION}")
+    if version not in (PROTOCOL_VERSION, HOST_PLACEMENT_VERSION):
+        raise ProtocolError(
+            f"kvlease.v is {version!r}; this build speaks {PROTOCOL_VERSION} and {HOST_PLACEMENT_VERSION}"
+        )
+    placement = data.get(LEASE_HANDLE_PLACEMENT, "device")
+    if placement not in ("host", "device") or (version == HOST_PLACEMENT_VERSION) != (placement == "host"):
+        raise ProtocolError(f'kvlease.placement "host" goes with "v": {HOST_PLACEMENT_VERSION}, and only it')
     bs = _int_field(data, "block_size", 1, 1 << 16)
     nt = _int_field(data, "num_tokens", 0, 1 << 31)
     hashes = data.get("hashes")
@@ -123,6 +134,7 @@ def _ref_ext_from_json(data: object) -> LeaseHandleExt:
         lora=lora,
         mm=mm,
         staging=tuple(staging) if staging is not None else None,
+        placement=placement,
     )
 
 
@@ -213,7 +225,7 @@ def _ref_from_json(data: object) -> TransferParams:
 
 def _ref_ext_to_json(ext: LeaseHandleExt) -> dict[str, Any]:
     out: dict[str, Any] = {
-        "v": ext.version,
+        "v": HOST_PLACEMENT_VERSION if ext.placement == "host" else ext.version,
         "block_size": ext.block_size,
         "num_tokens": ext.num_tokens,
         "hashes": list(ext.hashes),
@@ -227,6 +239,8 @@ def _ref_ext_to_json(ext: LeaseHandleExt) -> dict[str, Any]:
             out[key] = value
     if ext.staging is not None:
         out[LEASE_HANDLE_STAGING] = list(ext.staging)
+    if ext.placement == "host":
+        out[LEASE_HANDLE_PLACEMENT] = "host"
     if ext.mac is not None:
         out[LEASE_HANDLE_MAC] = ext.mac
     return out
@@ -402,7 +416,14 @@ hash_items = st.one_of(
 hash_values = st.one_of(st.lists(st.just(HEX), max_size=12), st.lists(hash_items, max_size=6), garbage)
 ALL_KEYS = [*_ATTR, "vendor", "kvlease_tenant", ""]
 EXT_KEYS = ["v", "block_size", "num_tokens", "hashes", "tail", "lease_id", "engine_id", "control"]
-EXT_KEYS += [LEASE_HANDLE_MAC, LEASE_HANDLE_LORA, LEASE_HANDLE_MM, LEASE_HANDLE_STAGING, "other"]
+EXT_KEYS += [
+    LEASE_HANDLE_MAC,
+    LEASE_HANDLE_LORA,
+    LEASE_HANDLE_MM,
+    LEASE_HANDLE_STAGING,
+    LEASE_HANDLE_PLACEMENT,
+    "other",
+]
 
 
 def _value_for(key: str) -> st.SearchStrategy[Any]:
@@ -412,6 +433,10 @@ def _value_for(key: str) -> st.SearchStrategy[Any]:
         return hash_values
     if key == LEASE_HANDLE_STAGING:
         return st.one_of(st.lists(st.integers(-1, 70000), max_size=5), garbage)
+    if key == LEASE_HANDLE_PLACEMENT:
+        return st.one_of(st.sampled_from(["host", "device", "HOST"]), garbage)
+    if key == "v":
+        return st.one_of(st.sampled_from([1, 2, 3, True, 1.0]), garbage)
     return garbage
 
 

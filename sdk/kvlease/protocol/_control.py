@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 from kvlease.protocol._common import PROTOCOL_VERSION, ProtocolError, _id_list, _int_field, _is_number
@@ -148,6 +148,12 @@ class ControlInfo:
     transport: str | None = None
     #: The node's retention table now, per tenant tag (bounded). None: an older node.
     leases: LeaseStatus | None = None
+    #: D: where leases live (``device``, ``auto``, ``host``; ``kvlease.placement``). None: older node.
+    placement: str | None = None
+    #: The tier figures now, under their metric names (``kvlease_device_blocks_held``,
+    #: ``kvlease_device_blocks_cached``, ``kvlease_host_bytes_used``, ``kvlease_host_bytes_capacity``,
+    #: ``kvlease_demotions_total``, ``kvlease_pulls_total{source="host"}``, ...). Empty: none reported.
+    tier: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -166,6 +172,8 @@ class ControlInfo:
             "data_parallel_index": self.data_parallel_index,
             "transport": self.transport,
             "leases": self.leases.to_json() if self.leases is not None else None,
+            "placement": self.placement,
+            "tier": dict(self.tier),
         }
 
     @classmethod
@@ -203,7 +211,30 @@ class ControlInfo:
             ),
             transport=transport[:500] if isinstance(transport, str) and transport else None,
             leases=_lease_status(data.get("leases")),
+            placement=_placement(data.get("placement")),
+            tier=_tier(data.get("tier")),
         )
+
+
+#: At most this many tier figures are kept from a node's ``/info`` (names at most 128 characters).
+TIER_MAX_KEYS = 64
+
+
+def _placement(value: object) -> str | None:
+    return value if value in ("device", "auto", "host") else None  # type: ignore[return-value]
+
+
+def _tier(data: object) -> dict[str, float]:
+    """A node's tier figures are for operators: what is not a number under a short name is dropped."""
+    if not isinstance(data, Mapping):
+        return {}
+    out: dict[str, float] = {}
+    for k, v in data.items():
+        if len(out) >= TIER_MAX_KEYS:
+            break
+        if isinstance(k, str) and len(k) <= 128 and _is_number(v):
+            out[k] = float(v)
+    return out
 
 
 def _lease_status(data: object) -> LeaseStatus | None:
