@@ -436,6 +436,9 @@ def plot_trace(r: R, out: Path) -> list[tuple[str, str]]:
 
 
 PLOTS: dict[str, Callable[[R, Path], list[tuple[str, str]]]] = {"ttft": plot_ttft, "trace": plot_trace}
+from _report_agents import agent_rows, plot_agents, section  # noqa: E402  (agent sessions at equal load)
+
+SUMMARIES["agents"], PLOTS["agents"] = agent_rows, plot_agents
 
 
 # ---- the report --------------------------------------------------------------------------------
@@ -502,6 +505,7 @@ def render_markdown(
             ["figure", "goal", "anchor", "measured"], [list(r) for r in rows_for(name, e.get("result"))]
         )
         lines.append("")
+        lines += section(name, e.get("result"))
         for file, caption in plots.get(name, []):
             lines += [f"![{caption}]({file})", ""]
     for note in notes:

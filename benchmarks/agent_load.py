@@ -314,28 +314,33 @@ async def _slot(
 
 
 async def _poll_d(
-    stack: Any, t0: float, stop: asyncio.Event, samples: list[tuple[float, float]], every: float = 1.0
+    stack: Any,
+    t0: float,
+    stop: asyncio.Event,
+    held: list[tuple[float, float]],
+    used: list[tuple[float, float]],
+    every: float = 1.0,
 ) -> None:
+    """Every ``every`` s: the blocks leases hold on D (its control endpoint's
+    ``kvlease_device_blocks_held``, else ``kvlease_retained_blocks``; NixlConnector exposes no such
+    figure) and the share of D's KV cache in use (vLLM's ``vllm:kv_cache_usage_perc``, every arm)."""
     import httpx
 
     from kvlease.protocol import CONTROL_AUTH_HEADER, CONTROL_METRICS_PATH
     from kvlease_stack import parse_prometheus
 
     base = stack.decode.control
-    if base is None:
-        return
     auth = {CONTROL_AUTH_HEADER: f"Bearer {stack.control_secret}"}
     async with httpx.AsyncClient(timeout=5.0) as http:
         while not stop.is_set():
+            now = time.monotonic() - t0
             try:
-                m = parse_prometheus((await http.get(base + CONTROL_METRICS_PATH, headers=auth)).text)
-                names = m.names()
-                key = (
-                    "kvlease_device_blocks_held"
-                    if "kvlease_device_blocks_held" in names
-                    else "kvlease_retained_blocks"
-                )
-                samples.append((time.monotonic() - t0, m.total(key)))
+                m = parse_prometheus((await http.get(stack.decode.url + "/metrics")).text)
+                used.append((now, m.total("vllm:kv_cache_usage_perc")))
+                if base is not None:
+                    m = parse_prometheus((await http.get(base + CONTROL_METRICS_PATH, headers=auth)).text)
+                    key = "kvlease_device_blocks_held"
+                    held.append((now, m.total(key if key in m.names() else "kvlease_retained_blocks")))
             except Exception:  # a missed poll is a gap in the series, not a failure of the arm
                 pass
             try:
@@ -379,11 +384,12 @@ async def _replay(
     client: Any = kvlease.wrap(raw, heartbeat=True) if arm.sdk else raw
     turns: list[dict[str, Any]] = []
     held: list[tuple[float, float]] = []
+    used: list[tuple[float, float]] = []
     stop = asyncio.Event()
     pre0 = _d_counter(stack, "vllm:num_preemptions_total")
     t0 = time.monotonic()
     deadline = t0 + plan.duration_s
-    poller = asyncio.create_task(_poll_d(stack, t0, stop, held))
+    poller = asyncio.create_task(_poll_d(stack, t0, stop, held, used))
     tag = f"{arm.name}-n{n}"
     try:
         await asyncio.gather(
@@ -417,14 +423,23 @@ async def _replay(
         t.pop("content", None)
     out = S.summarize(turns, wall)
     block_s, mx = S.block_seconds(held)
+    used_s, used_max = S.block_seconds(used)
+    exposed = stack.decode.control is not None
     out |= {
         "n": n,
         "wall_s": round(wall, 1),
         "d_preemptions": preempt,
         "lease_blocks": {
-            "block_s": round(block_s, 1),
-            "max": mx,
+            "block_s": round(block_s, 1) if exposed else None,
+            "max": mx if exposed else None,
             "series": [(round(t, 1), b) for t, b in held],
+            "source": "D control /metrics" if exposed else "not exposed by NixlConnector",
+        },
+        # vLLM's own gauge, every arm: the running batch plus whatever D retains
+        "d_kv_used": {
+            "mean_share": round(used_s / wall, 3) if wall > 0 else None,
+            "max_share": round(used_max, 3),
+            "block_s": round(used_s * plan.d_blocks, 1),
         },
         "errors": sorted({t["error"] for t in turns if t.get("error")})[:5],
     }
@@ -498,8 +513,9 @@ def _line(r: dict[str, Any]) -> str:
     return (
         f"TTFT p50/p90/p99 {_f(t['p50'], 1e3)}/{_f(t['p90'], 1e3)}/{_f(t['p99'], 1e3)} ms, "
         f"hit {_f(r['hit_rate'], 100)} %, reused {_f(r['reused_token_share'], 100)} %, "
-        f"round-trip {_f(r['round_trip_rate'], 100)} %, lease block·s {r['lease_blocks']['block_s']:.0f} "
-        f"(max {r['lease_blocks']['max']:.0f}), preemptions {_f(r['d_preemptions'])}, "
+        f"round-trip {_f(r['round_trip_rate'], 100)} %, lease block·s {_f(r['lease_blocks']['block_s'])} "
+        f"(max {_f(r['lease_blocks']['max'])}), D KV used mean/max {_f(r['d_kv_used']['mean_share'], 100)}/"
+        f"{_f(r['d_kv_used']['max_share'], 100)} %, preemptions {_f(r['d_preemptions'])}, "
         f"{_f(r['decode_tokens_per_s'], 1, '.1f')} tok/s, ITL p50/p99 {_f(r['itl_s']['p50'], 1e3)}/"
         f"{_f(r['itl_s']['p99'], 1e3)} ms, failed {r['failed_turns']}/{r['turns']}, {r['statuses']}"
     )
@@ -555,7 +571,7 @@ def print_table(res: dict[str, Any]) -> None:
             print(
                 f"{name:16s} {n:>3s} {_f(t['p50'], 1e3):>9s} {_f(t['p90'], 1e3):>7s} {_f(t['p99'], 1e3):>7s} "
                 f"{_f(r['hit_rate'], 100):>6s} {_f(r['reused_token_share'], 100):>8s} {_f(r['round_trip_rate'], 100):>5s} "
-                f"{r['lease_blocks']['block_s']:>8.0f} {r['lease_blocks']['max']:>5.0f} {_f(r['d_preemptions']):>7s} "
+                f"{_f(r['lease_blocks']['block_s']):>8s} {_f(r['lease_blocks']['max']):>5s} {_f(r['d_preemptions']):>7s} "
                 f"{_f(r['decode_tokens_per_s'], 1, '.1f'):>6s} {_f(r['itl_s']['p99'], 1e3):>8s} {r['failed_turns']:>3d}/{r['turns']:<3d}"
             )
         print(

@@ -59,6 +59,11 @@ BENCHMARKS: dict[str, tuple[str, str, bool]] = {
         "Pull fragmentation under the trace's agents: descriptors and block-id runs",
         True,
     ),
+    "agents": (
+        "agent_load",
+        "Agent sessions at equal load: plain P/D, upstream NixlConnector, kvlease",
+        True,
+    ),
 }
 
 

@@ -25,13 +25,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  #
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (  # noqa: E402
     NixlConnector,
     NixlConnectorMetadata,
+    NixlKVConnectorStats,
     NixlPullConnectorScheduler,
     NixlPullConnectorWorker,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (  # noqa: E402
     NIXL_CONNECTOR_VERSION,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats  # noqa: E402
 from vllm.logger import init_logger  # noqa: E402
 from vllm.platforms import current_platform  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from kvlease_vllm._arena import AdmitResult, Eviction, HostArena
+from kvlease_vllm._arena import AdmitResult, Eviction, EvictReason, HostArena
 
 #: Connector-metadata attributes D's scheduler sets for its workers (absent: nothing to do).
 DEMOTES_ATTR: Final = "kvlease_demotes"  # tuple[Demotion, ...]
@@ -95,10 +95,17 @@ class HostLeases:
         self.arena.unpin(lease_id, claimant, now)
 
     def release(self, lease_id: str, now: float) -> list[Eviction]:
-        """An explicit or early release (pinned: when the pins end, at a later sweep)."""
-        if not self.arena.release(lease_id, now):
+        """An explicit or early release (pinned: when the pins end, at a later sweep); the leases
+        that left the arena (each one a drop order)."""
+        lease = self.arena.get(lease_id)
+        if lease is None or not self.arena.release(lease_id, now):
             return []
-        return self.sweep(now)
+        out = self.sweep(now)
+        if lease_id not in self.arena:  # unpinned: it left at once
+            now_gone = Eviction(lease_id, EvictReason.RELEASE, lease.nbytes, lease.tenant)
+            self._gone((now_gone,))
+            out.insert(0, now_gone)
+        return out
 
     def forget(self, lease_ids: Iterable[str], now: float) -> list[Eviction]:
         """The workers ended these leases (read, expired, released): their ranges are free now,
@@ -110,8 +117,9 @@ class HostLeases:
                 continue
             lease.pins.clear()
             self.arena.release(lid, now)
-        out = self.sweep(now)
-        return out
+            out.append(Eviction(lid, EvictReason.RELEASE, lease.nbytes, lease.tenant))
+        self._gone(out)
+        return out + self.sweep(now)
 
     def sweep(self, now: float) -> list[Eviction]:
         evicted = self.arena.sweep(now)

@@ -47,6 +47,8 @@ class Lease:
     tenant: str | None = None
     #: No renewal goes past it (``max_lifetime`` after the lease was added).
     hard_end: float = math.inf
+    #: False once its device blocks were given back (host placement): pressure relief skips it.
+    held: bool = True
 
     def pinned(self, now: float) -> bool:
         return self.pinned_until > now
@@ -203,7 +205,7 @@ class RetentionTable:
         lease = self._leases.get(lease_id)
         if lease is None:
             return 0
-        blocks, lease.blocks = lease.blocks, 0
+        blocks, lease.blocks, lease.held = lease.blocks, 0, False
         self._retained -= blocks
         return blocks
 
@@ -275,8 +277,8 @@ class RetentionTable:
         """Unpinned leases in early-release order: those over their tenant's quota first, then
         the rest; oldest deadline first within each."""
         over = self._over_quota(adding)
-        order = sorted(  # a lease placed in the host arena holds no device block (0)
-            (lease for lease in self._leases.values() if lease.blocks and not lease.pinned(now)),
+        order = sorted(  # a lease in the host arena holds no device block
+            (lease for lease in self._leases.values() if lease.held and not lease.pinned(now)),
             key=lambda lease: (lease.lease_id not in over, lease.deadline, lease.lease_id),
         )
         released: list[str] = []

@@ -56,7 +56,7 @@ class Reason(str, enum.Enum):
     UNVERIFIABLE = "unverifiable"  # no kvlease object: plain upstream handle, never pulled blind
     BLOCK_SIZE = "block_size_mismatch"
     MISMATCH = "mismatch"  # no whole block in common with D's sequence
-    LOCAL_HIT = "local_hit"  # P's own prefix cache already covers the verified prefix
+    LOCAL_HIT = ReuseStatus.LOCAL_HIT.value  # P's own prefix cache already covers the verified prefix
     BELOW_THRESHOLD = "below_threshold"
     COST = "cost"  # predicted transfer slower than recompute
     LEASE_GONE = "lease_gone"  # D no longer holds the lease (expired, released, read)
@@ -81,6 +81,7 @@ _REUSE_STATUS = {
     Reason.LEASE_GONE: ReuseStatus.EXPIRED,
     Reason.FAILED: ReuseStatus.ERROR,
     Reason.CLAIM_FAILED: ReuseStatus.ERROR,
+    Reason.LOCAL_HIT: ReuseStatus.LOCAL_HIT,  # nothing left to pull: not a miss
 }
 
 

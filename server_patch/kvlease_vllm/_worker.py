@@ -84,7 +84,7 @@ class KVLeaseStats(NixlKVConnectorStats):  # type: ignore[misc]
         return bool(super().is_empty()) and not any(self.data.get(k) for k in STAT_KEYS)
 
     def record(self, key: str, value: float) -> None:
-        self.data.setdefault(key, []).append(value)
+        self.__dict__.setdefault("data", {}).setdefault(key, []).append(value)
 
 
 @dataclass
@@ -357,7 +357,7 @@ class KVLeaseWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         pull or demotion counts once, not once per rank)."""
 
         def record(value: float) -> None:
-            if self.tp_rank == 0 and isinstance(self.xfer_stats, KVLeaseStats):
+            if getattr(self, "tp_rank", 0) == 0 and isinstance(self.xfer_stats, KVLeaseStats):
                 self.xfer_stats.record(key, value)
 
         return record

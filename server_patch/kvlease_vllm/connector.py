@@ -539,7 +539,7 @@ class KVLeaseScheduler(NixlPullConnectorScheduler):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         super().update_connector_output(connector_output)
-        self.metrics.observe_worker_stats(connector_output.kv_connector_stats)
+        self.metrics.observe_worker_stats(getattr(connector_output, "kv_connector_stats", None))
         sent = connector_output.finished_sending or set()
         self.sends.ended(sent)
         self.desk.forget(sent)

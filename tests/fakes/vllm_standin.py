@@ -109,6 +109,7 @@ def import_over_fake_vllm(
         "vllm.distributed.kv_transfer.kv_connector.v1.nixl": {
             "NixlConnector": object,
             "NixlConnectorMetadata": object,
+            "NixlKVConnectorStats": object,
             "NixlPullConnectorScheduler": object,
             "NixlPullConnectorWorker": object,
             **(nixl or {}),

@@ -221,7 +221,7 @@ TIER_MAX_KEYS = 64
 
 
 def _placement(value: object) -> str | None:
-    return value if value in ("device", "auto", "host") else None  # type: ignore[return-value]
+    return value if value in ("device", "auto", "host") else None
 
 
 def _tier(data: object) -> dict[str, float]:

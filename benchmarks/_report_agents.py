@@ -1,0 +1,145 @@
+"""RESULTS.md's "Agent sessions at equal load" section, from ``benchmarks/agent_load.py``'s result:
+headline rows, the arm table (one row per arm and N, with failed turns), a plot of TTFT p90 against
+N per arm and a plot of the blocks leases hold on D over time. ``_report.py`` calls it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+R = Mapping[str, Any]
+Row = tuple[str, str, str, str]
+NAME = "agents"
+
+
+def _ms(x: float | None) -> str:
+    return "—" if x is None else f"{x * 1e3:.0f}"
+
+
+def _pct(x: float | None) -> str:
+    return "—" if x is None else f"{x * 100:.0f} %"
+
+
+def _n(x: float | None) -> str:
+    return "—" if x is None else f"{x:.0f}"
+
+
+def _kv(u: Mapping[str, Any] | None) -> str:
+    if not u or u.get("mean_share") is None:
+        return "—"
+    return f"{u['mean_share'] * 100:.0f}/{u['max_share'] * 100:.0f} %"
+
+
+def agent_rows(r: R) -> list[Row]:
+    """Headline figures: failed turns per arm (goal 0), supported sessions, kvlease auto vs upstream."""
+    arms = r["arms"]
+    rows: list[Row] = []
+    for name, a in arms.items():
+        if a.get("not_run"):
+            rows.append((f"{name}", "runs", "—", f"not run: {a['not_run'][:120]}"))
+            continue
+        failed = sum(x["failed_turns"] for x in a["by_n"].values())
+        turns = sum(x["turns"] for x in a["by_n"].values())
+        rows.append((f"{name}: failed turns", "0", "—", f"{failed} of {turns}"))
+        rows.append(
+            (
+                f"{name}: supported sessions (TTFT p90 <= {r['ttft_target_s']:g} s)",
+                "—",
+                f"N swept: {', '.join(map(str, r['ns']))}",
+                str(a.get("supported_sessions")),
+            )
+        )
+    auto, up = arms.get("kvlease-auto", {}), arms.get("upstream", {})
+    if auto.get("supported_sessions") is not None and up.get("supported_sessions"):
+        ratio = auto["supported_sessions"] / up["supported_sessions"]
+        rows.append(("supported sessions, kvlease-auto / upstream", ">= 2x", "upstream", f"{ratio:.1f}x"))
+    return rows
+
+
+def section(name: str, r: Any) -> list[str]:
+    """The arm table (Markdown lines) under the agents section; nothing for other sections."""
+    if name != NAME or not isinstance(r, Mapping) or "arms" not in r:
+        return []
+    head = (
+        "| arm | connectors | memory budgets | N | TTFT p50/p90/p99 ms | p90 by gap <10s/10-60s/60-480s/>480s ms "
+        "| follow-up hit | reused tokens | round trip | lease block·s (max) | D KV used mean/max | D preemptions "
+        "| decode tok/s "
+        "| ITL p50/p99 ms | failed turns |"
+    )
+    lines = [
+        f"Sessions: {r.get('sessions')} from {r.get('sessions_file')}; {r.get('gap_note')}; "
+        f"{r.get('duration_s')} s per N; replay: {r.get('replay')}.",
+        "",
+        f"{r.get('d_sizing')}.",
+        "",
+        head,
+        "|" + "---|" * head.count(" | ") + "---|",
+    ]
+    for arm, a in r["arms"].items():
+        if a.get("not_run"):
+            lines.append(f"| {arm} | not run | {a['not_run'][:200].replace('|', '/')} |" + " |" * 12)
+            continue
+        for n, x in a["by_n"].items():
+            t, g = x["ttft_s"], x["ttft_by_gap_s"]
+            gaps = "/".join(_ms(v.get("p90")) for v in g.values())
+            lb = x["lease_blocks"]
+            lines.append(
+                f"| {arm} | {a['connectors']} | {a['budgets']} | {n} | {_ms(t['p50'])}/{_ms(t['p90'])}/{_ms(t['p99'])} "
+                f"| {gaps} | {_pct(x['hit_rate'])} | {_pct(x['reused_token_share'])} | {_pct(x['round_trip_rate'])} "
+                f"| {_n(lb['block_s'])} ({_n(lb['max'])}) | {_kv(x.get('d_kv_used'))} | {x['d_preemptions']:.0f} "
+                f"| {x['decode_tokens_per_s'] or 0:.1f} | {_ms(x['itl_s']['p50'])}/{_ms(x['itl_s']['p99'])} "
+                f"| {x['failed_turns']} of {x['turns']} |"
+            )
+    lines += [
+        "",
+        "Real traces: `pip install agentx-harness==1.0.12` (AIPerf 0.13.0), then `aiperf profile --endpoint-type "
+        "chat --streaming --input-file semianalysis_claude_code.jsonl --custom-dataset-type mooncake_trace "
+        "--session-header X-Session-ID --benchmark-duration 900` against the router (see "
+        "`benchmarks/agent_load.py`).",
+        "",
+    ]
+    return lines
+
+
+def plot_agents(r: R, out: Path) -> list[tuple[str, str]]:
+    """TTFT p90 against N per arm; lease-held blocks on D over time (the largest N of each arm)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made: list[tuple[str, str]] = []
+    ran = {k: a for k, a in r["arms"].items() if a.get("by_n")}
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    for arm, a in ran.items():
+        ns = sorted(int(n) for n in a["by_n"])
+        ps = [a["by_n"][str(n)]["ttft_s"]["p90"] for n in ns]
+        ax.plot(ns, [1e3 * p if p is not None else float("nan") for p in ps], marker="o", label=arm)
+    ax.axhline(1e3 * r["ttft_target_s"], color="grey", ls="--", lw=1, label="target")
+    ax.set_xlabel("live agent sessions N")
+    ax.set_ylabel("TTFT p90 (ms)")
+    ax.set_title("TTFT p90 against offered load")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "agents_ttft_p90.png", dpi=90, metadata={"Software": None})
+    plt.close(fig)
+    made.append(("agents_ttft_p90.png", "TTFT p90 against live sessions per arm"))
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    for arm, a in ran.items():
+        n = max(a["by_n"], key=int)
+        series = a["by_n"][n]["lease_blocks"]["series"]
+        if series:
+            ax.step([s[0] for s in series], [s[1] for s in series], where="post", label=f"{arm} (N={n})")
+    ax.set_xlabel("time into the run (s)")
+    ax.set_ylabel("D blocks held by leases")
+    ax.set_title("Lease-held KV blocks on D")
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "agents_lease_blocks.png", dpi=90, metadata={"Software": None})
+    plt.close(fig)
+    made.append(("agents_lease_blocks.png", "Blocks leases hold on D over time"))
+    return made
