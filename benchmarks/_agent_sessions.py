@@ -15,7 +15,8 @@ import itertools
 import json
 import math
 import random
-from collections.abc import Iterable, Sequence
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -196,3 +197,73 @@ def summarize(turns: Sequence[dict[str, Any]], wall_s: float) -> dict[str, Any]:
         "decode_tokens_per_s": out_tokens / wall_s if wall_s > 0 else None,
         "itl_s": pcts(itl, (50, 99)),
     }
+
+
+# --------------------------------------------------------------------------------------------------
+# Scrapes: counter deltas, histogram quantiles, and TTFT of a non-streamed turn
+# --------------------------------------------------------------------------------------------------
+
+_LE = re.compile(r'le="([^"]+)"')
+
+
+def counter_deltas(
+    before: Mapping[str, float], after: Mapping[str, float], prefixes: Sequence[str]
+) -> dict[str, float]:
+    """What each counter sample (``name_total{labels}``, keyed as the scrape keys it) whose name
+    starts with one of ``prefixes`` grew by between two scrapes; zero deltas left out."""
+    out: dict[str, float] = {}
+    for key, value in after.items():
+        name = key.split("{", 1)[0]
+        if not name.endswith("_total") or not name.startswith(tuple(prefixes)):
+            continue
+        delta = value - before.get(key, 0.0)
+        if delta:
+            out[key] = round(delta, 3)
+    return dict(sorted(out.items()))
+
+
+def histogram_delta(
+    before: Mapping[str, float], after: Mapping[str, float], name: str
+) -> tuple[list[tuple[float, float]], float, float]:
+    """(cumulative buckets ``[(le, count)]``, sum, count) of histogram ``name`` observed between two
+    scrapes, summed over its label sets."""
+    buckets: dict[float, float] = {}
+    for key, value in after.items():
+        if key.split("{", 1)[0] != name + "_bucket":
+            continue
+        m = _LE.search(key)
+        if m is None:
+            continue
+        le = math.inf if m.group(1) in ("+Inf", "inf") else float(m.group(1))
+        buckets[le] = buckets.get(le, 0.0) + value - before.get(key, 0.0)
+
+    def total(suffix: str) -> float:
+        return sum(
+            v - before.get(k, 0.0) for k, v in after.items() if k.split("{", 1)[0] == name + suffix
+        )
+
+    return sorted(buckets.items()), total("_sum"), total("_count")
+
+
+def histogram_quantile(buckets: Sequence[tuple[float, float]], q: float) -> float | None:
+    """Prometheus' ``histogram_quantile`` (linear within a bucket) of cumulative ``buckets``, ``q``
+    in [0, 1]; None when nothing was observed."""
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank = q * buckets[-1][1]
+    lo_le, lo_count = 0.0, 0.0
+    for le, count in buckets:
+        if count >= rank:
+            if math.isinf(le):
+                return lo_le
+            if count == lo_count:
+                return le
+            return lo_le + (le - lo_le) * (rank - lo_count) / (count - lo_count)
+        lo_le, lo_count = le, count
+    return lo_le
+
+
+def estimate_ttft(e2e_s: float, completion_tokens: int, itl_s: float) -> float:
+    """TTFT of a non-streamed turn: its end-to-end time less the decode steps after the first token
+    (``completion_tokens - 1`` of them, each D's mean inter-token latency over the run)."""
+    return max(0.0, e2e_s - max(0, completion_tokens - 1) * itl_s)

@@ -283,6 +283,141 @@ def _fragmentation(r: R) -> list[Row]:
     return rows
 
 
+#: The hostile-load attacks, in the benchmark's order, as a reader names them.
+HOSTILE_ATTACKS = {
+    "baseline": "none (victim alone)",
+    "renew_flood": "renew flood: 2 tenants, 10,000 unknown ids a request",
+    "renew_rotating_tokens": "renew flood, a new bearer token every request",
+    "anon_renew": "anonymous renew, 101 ids a second",
+    "slow_clients": "slow clients: 300 trickled heads + 50 stalled bodies",
+    "stalled_streams": "stalled streams: 50 readers that never read",
+    "fuzz": "fuzz: garbage requests, 8 in flight",
+}
+
+
+def _hostile_phases(r: R) -> list[tuple[str, Mapping[str, Any]]]:
+    phases = r["phases"]
+    known = [a for a in HOSTILE_ATTACKS if a in phases]
+    return [(a, phases[a]) for a in known + [a for a in phases if a not in HOSTILE_ATTACKS]]
+
+
+def _server_errors(attacker: Mapping[str, Any]) -> int:
+    """The router's 5xx answers among an attacker's counts (``http 503``, ``raw 500``, ``5xx``)."""
+    return sum(
+        int(n)
+        for k, n in attacker.items()
+        if k == "5xx" or (k.startswith(("http 5", "raw 5")) and isinstance(n, (int, float)))
+    )
+
+
+def _hostile(r: R) -> list[Row]:
+    """Headlines of ``hostile_load.py`` against the issue's goals; the per-attack table is
+    :func:`hostile_table`."""
+    phases = dict(_hostile_phases(r))
+    windows = [w for p in phases.values() for w in p.values() if isinstance(w, Mapping)]
+    failed = sum(w["turns_failed"] for w in windows)
+    rows: list[Row] = [
+        (
+            "victim's failed turns, every window",
+            "0",
+            f"{_n(sum(w['turns_completed'] for w in windows))} turns",
+            f"{failed}" + _ok(failed == 0),
+        )
+    ]
+    stalled = phases.get("stalled_streams")
+    if stalled and "under_attack" in stalled:
+        alone, under = stalled["victim_alone"]["p99_ms"], stalled["under_attack"]["p99_ms"]
+        rows.append(
+            (
+                "victim's p99 under 50 stalled stream readers",
+                "<= 2x its p99 alone",
+                f"alone: {alone:,.0f} ms",
+                f"{under:,.0f} ms ({under / alone:.1f}x)" + _ok(under <= 2 * alone),
+            )
+        )
+    fuzz = phases.get("fuzz", {}).get("under_attack", {}).get("attacker")
+    if fuzz is not None:
+        errors = _server_errors(fuzz)
+        rows.append(
+            (
+                "router 5xx to garbage",
+                "0",
+                f"{_n(fuzz.get('requests', 0))} garbage requests",
+                f"{errors}" + _ok(errors == 0),
+            )
+        )
+    return rows
+
+
+def _hits(w: Mapping[str, Any]) -> str:
+    n, share = w["follow_up_turns"], w["follow_up_hit_share"]
+    return "—" if not n else f"{_pct(share)} of {_n(n)}"
+
+
+def _answers(attacker: Mapping[str, Any]) -> str:
+    """The attacker's counts, largest first (how the router answered, or what the attack held)."""
+    counts = [(k, v) for k, v in attacker.items() if k != "ms_total" and isinstance(v, (int, float))]
+    return ", ".join(f"{k}: {_n(v)}" for k, v in sorted(counts, key=lambda kv: -kv[1]))
+
+
+#: Below this many attack requests in a window, the router CPU per request is mostly the noise of
+#: subtracting the victim's share (a few hundred ms of CPU in a 5 s window over a handful of requests).
+FEW_REQUESTS = 100
+
+
+def _per_request(cpu_ms: float, rate: float | None, window: float | None) -> str:
+    sent = None if rate is None or window is None else round(rate * window)
+    shown = f"{cpu_ms:.3g} ms"
+    return shown + (f" ({sent} requests: noise)" if sent is not None and sent < FEW_REQUESTS else "")
+
+
+def hostile_table(r: R) -> list[str]:
+    """One row per attack (Markdown lines): the victim's latency alone and under attack, the
+    follow-up hits it kept, its failed turns, and what the attack cost the router."""
+    head = [
+        "attack",
+        "victim p50 / p99 alone (ms)",
+        "under attack (ms)",
+        "hits kept under attack",
+        "failed turns (alone / under)",
+        "attack requests/s",
+        "router CPU per attack request",
+        "router CPU, cores (alone / under)",
+        "attacker's tally",
+    ]
+    rows = []
+    for attack, p in _hostile_phases(r):
+        alone, under = p["victim_alone"], p.get("under_attack")
+        cpu = p.get("router_cpu_ms_per_attack_request")
+        rate = p.get("attack_requests_per_s")
+        base_cpu = alone.get("router_cpu_cores")
+        rows.append(
+            [
+                HOSTILE_ATTACKS.get(attack, attack),
+                f"{alone['p50_ms']:,.1f} / {alone['p99_ms']:,.1f}",
+                "—" if under is None else f"{under['p50_ms']:,.1f} / {under['p99_ms']:,.1f}"
+                + f" ({under['p99_ms'] / alone['p99_ms']:.1f}x p99)",
+                "—" if under is None else _hits(under),
+                f"{alone['turns_failed']}" + ("" if under is None else f" / {under['turns_failed']}"),
+                "—" if rate is None else _n(rate),
+                "—" if cpu is None else _per_request(cpu, rate, r.get("window_s")),
+                f"{base_cpu:.2f}" + ("" if under is None else f" / {under.get('router_cpu_cores', 0):.2f}"),
+                "—" if under is None else _answers(under.get("attacker", {})) or "—",
+            ]
+        )
+    window = r.get("window_s")
+    return [
+        f"The victim: one conversation at a time, turns back to back, in windows of {window:g} s "
+        "(each attack: a window alone, then one under attack). Router CPU per attack request: the "
+        "router's CPU in the attack window less the victim's share (its CPU per turn alone), per "
+        "request the attacker sent; — where the attack holds connections rather than sending "
+        "requests. Every figure of every window is in `results.json`.",
+        "",
+        *_table(head, rows),
+        "",
+    ]
+
+
 SUMMARIES: dict[str, Callable[[R], list[Row]]] = {
     "sdk": _sdk,
     "keeper": _keeper,
@@ -294,7 +429,10 @@ SUMMARIES: dict[str, Callable[[R], list[Row]]] = {
     "trace": _trace,
     "gpu_pull": _gpu_pull,
     "fragmentation": _fragmentation,
+    "hostile": _hostile,
 }
+#: Sections with a table of their own under the figures (Markdown lines).
+TABLES: dict[str, Callable[[R], list[str]]] = {"hostile": hostile_table}
 #: Titles of results that ``run.py`` does not run (measured by their own script elsewhere).
 OTHER_TITLES = {
     "gpu_pull": "GPU pull on one H200 (real NIXL): per-block vs coalesced vs staged, 32B-class layout",
@@ -329,6 +467,16 @@ def rows_for(name: str, result: Any) -> list[Row]:
         except (KeyError, TypeError, ValueError, ZeroDivisionError):
             pass  # a result of another shape: list its figures instead
     return _generic(result)
+
+
+def _own_table(name: str, result: Any) -> list[str]:
+    table = TABLES.get(name)
+    if table is None:
+        return []
+    try:
+        return table(result)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return []  # a result of another shape: its figures are listed above
 
 
 def _machine(m: Mapping[str, Any]) -> str:
@@ -505,6 +653,7 @@ def render_markdown(
             ["figure", "goal", "anchor", "measured"], [list(r) for r in rows_for(name, e.get("result"))]
         )
         lines.append("")
+        lines += _own_table(name, e.get("result"))
         lines += section(name, e.get("result"))
         for file, caption in plots.get(name, []):
             lines += [f"![{caption}]({file})", ""]

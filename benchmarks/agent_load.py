@@ -10,7 +10,14 @@ model), through kvlease's router:
 - ``plain``: NixlConnector P->D only (``bidirectional_kv_xfer`` off): every turn is recomputed on P
   (beyond P's own prefix cache); router in stock-vLLM mode; a plain openai client.
 - ``upstream``: NixlConnector with ``bidirectional_kv_xfer`` and its fixed TTL on D; router in
-  stock-vLLM mode; a plain openai client (``X-Session-Id``: nothing renews D's blocks).
+  stock-vLLM mode (told D's TTL, ``--node-ttl``); a plain openai client (``X-Session-Id``: nothing
+  renews D's blocks). Its turns are *not streamed*: in stock-vLLM mode the router captures D's
+  handle from non-streamed answers only (``kvlease_router._turn.record``), even where D streams it
+  (kvlease's vLLM plugin on 0.32, vLLM 0.33 natively), so streamed turns would never be offered
+  D's blocks. Its TTFT is estimated: the turn's end-to-end time less ``completion_tokens - 1``
+  times D's mean inter-token latency over the run (``vllm:inter_token_latency_seconds``); its ITL
+  percentiles are that histogram's. The streamed arms report the same estimate's error against
+  their measured TTFT (``ttft_estimate_error_s``).
 - ``kvlease-device`` / ``kvlease-auto`` / ``kvlease-host``: KVLeaseConnector with ``placement``
   ``device`` / ``auto`` / ``host`` (the last two with a host arena); the SDK (``kvlease.wrap``,
   heartbeats on) keeps leases across tool pauses.
@@ -57,6 +64,16 @@ BLOCK_TOKENS = 128
 HOST_ARENA_BYTES = 64 << 20
 #: TTFT p90 target of "supported sessions" (seconds, this CPU stack).
 TTFT_TARGET_S = 1.5
+#: D's TTL, every arm (upstream: the fixed ``decoder_kv_blocks_ttl``; kvlease: the lease TTL the
+#: SDK's heartbeats renew). The router's lease is D's TTL less its 5 s margin, and the SDK's keeper
+#: renews at 60 % of the router's: 60 s gives a 33 s renewal period, far above any stall of a
+#: loaded 2-core machine (at 6 s the router's lease was 1 s and renewals came every 0.6 s, so a
+#: 0.4 s stall expired it). Scaled gaps (x 0.25 / x 0.1) keep most turns inside it for upstream.
+TTL_S = 60.0
+#: The SDK keeper's renewal period as a share of the router's lease (``kvlease._renewal``).
+RENEW_FRACTION = 0.6
+#: The router's margin below D's TTL (``RouterSettings.ttl_margin``).
+ROUTER_TTL_MARGIN_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -67,11 +84,19 @@ class Arm:
     kvlease: dict[str, Any] = field(default_factory=dict)
     sdk: bool = False
     what: str = ""
+    #: Streamed turns (TTFT measured at the first token); else TTFT is estimated (module doc).
+    stream: bool = True
 
 
 ARMS: tuple[Arm, ...] = (
     Arm("plain", "nixl", False, what="P: NixlConnector, D: NixlConnector (P->D only, no retention)"),
-    Arm("upstream", "nixl", True, what="P/D: NixlConnector, bidirectional_kv_xfer, D fixed TTL"),
+    Arm(
+        "upstream",
+        "nixl",
+        True,
+        what="P/D: NixlConnector, bidirectional_kv_xfer, D fixed TTL; non-streamed turns, TTFT estimated",
+        stream=False,
+    ),
     Arm(
         "kvlease-device",
         "kvlease",
@@ -147,14 +172,14 @@ def make_plan(quick: bool, arms: str | None, ns: str | None, duration: float | N
     bad = [n for n in names if n not in by]
     if bad:
         raise ValueError(f"unknown arm(s) {bad}; known: {list(by)}")
-    sweep = tuple(int(x) for x in ns.split(",")) if ns else ((4,) if quick else (2, 4, 8))
+    sweep = tuple(int(x) for x in ns.split(",")) if ns else ((4,) if quick else (2, 4))
     blocks, why = size_d(sessions, sweep)
     return Plan(
         arms=tuple(by[n] for n in names),
         ns=sweep,
-        duration_s=duration or (60.0 if quick else 180.0),
-        gap_scale=0.1 if quick else 1.0,
-        ttl_s=6.0 if quick else 60.0,
+        duration_s=duration or (60.0 if quick else 60.0),
+        gap_scale=0.1 if quick else 0.25,
+        ttl_s=TTL_S,
         d_blocks=blocks,
         sizing=why,
     )
@@ -191,7 +216,10 @@ async def _turn(
     turn: S.Turn,
     extra: dict[str, Any],
     headers: dict[str, str],
+    stream: bool = True,
 ) -> dict[str, Any]:
+    if not stream:
+        return await _turn_unstreamed(client, model, messages, turn, extra, headers)
     t0 = time.perf_counter()
     stream = await client.chat.completions.create(
         model=model,
@@ -234,7 +262,7 @@ async def _turn(
             parts.append(c.delta.content)
     resp = getattr(stream, "response", None)
     hdr = resp.headers if resp is not None else {}
-    from kvlease.protocol import HEADER_REUSED_TOKENS, HEADER_STATUS
+    from kvlease.protocol import HEADER_REUSED_TOKENS, HEADER_STATUS, HEADER_TTL
 
     reused = hdr.get(HEADER_REUSED_TOKENS)
     return {
@@ -242,11 +270,58 @@ async def _turn(
         "token_ids": ids,
         "finish": finish,
         "ttft_s": None if first is None else first - t0,
+        "e2e_s": time.perf_counter() - t0,
         "itl_s": itl,
         "status": hdr.get(HEADER_STATUS),
+        "router_ttl_s": hdr.get(HEADER_TTL),
         "reused_tokens": int(reused) if reused and reused.strip().isdigit() else 0,
         "prompt_tokens": usage.prompt_tokens if usage else None,
         "completion_tokens": usage.completion_tokens if usage else None,
+    }
+
+
+async def _turn_unstreamed(
+    client: Any,
+    model: str,
+    messages: list[dict[str, str]],
+    turn: S.Turn,
+    extra: dict[str, Any],
+    headers: dict[str, str],
+) -> dict[str, Any]:
+    """One non-streamed turn: ``ttft_s`` is filled in after the run (:func:`S.estimate_ttft`)."""
+    from kvlease.protocol import HEADER_REUSED_TOKENS, HEADER_STATUS, HEADER_TTL
+
+    t0 = time.perf_counter()
+    raw = await client.chat.completions.with_raw_response.create(
+        model=model,
+        messages=messages,
+        max_tokens=turn.output_tokens + 8,
+        temperature=0.0,
+        stream=False,
+        extra_body={
+            **extra,
+            "structured_outputs": {"regex": S.answer_regex(turn.output_tokens)},
+            "return_token_ids": True,
+        },
+        extra_headers=headers,
+    )
+    e2e = time.perf_counter() - t0
+    resp = raw.parse()
+    c = resp.choices[0]
+    ids = getattr(c, "token_ids", None) or (c.model_extra or {}).get("token_ids") or []
+    reused = raw.headers.get(HEADER_REUSED_TOKENS)
+    return {
+        "content": c.message.content or "",
+        "token_ids": [int(x) for x in ids],
+        "finish": c.finish_reason,
+        "ttft_s": None,
+        "e2e_s": e2e,
+        "itl_s": [],
+        "status": raw.headers.get(HEADER_STATUS),
+        "router_ttl_s": raw.headers.get(HEADER_TTL),
+        "reused_tokens": int(reused) if reused and reused.strip().isdigit() else 0,
+        "prompt_tokens": resp.usage.prompt_tokens if resp.usage else None,
+        "completion_tokens": resp.usage.completion_tokens if resp.usage else None,
     }
 
 
@@ -283,7 +358,7 @@ async def _session(
                 "bucket": S.gap_bucket(turn.delay_s) if i else None,
             }
             try:
-                rec.update(await _turn(target, model, messages, turn, extra, headers))
+                rec.update(await _turn(target, model, messages, turn, extra, headers, arm.stream))
             except Exception as e:  # a failed turn: the client saw an error
                 rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
                 out.append(rec)

@@ -25,12 +25,18 @@ Methods, per history length:
 - ``staged_pregathered``: the READ and the scatter only, for a D that stages a leased
   conversation while it is idle (the gather is off the critical path).
 - ``torch_copy``: a device-to-device copy of the same bytes (the memory-bandwidth floor).
+- with ``--arena``, a lease in D's host arena, run by D's worker code itself
+  (``kvlease_vllm._worker_arena.ArenaStore``): ``demote`` (the step's order carried out: the blocks
+  gathered into the pinned arena, until the copy is done), and ``arena``: P's pull of it, from the
+  request until P's blocks hold the data = D's ``promote`` (arena -> staging buffer, H2D) + ONE
+  READ + P's scatter (the path issue 30 chose: a NIXL READ of pinned host memory ran at 0.9 GB/s).
 
 Every method is checked: P's blocks must hold D's data for the drawn ids. Prints a table and, with
 ``--json FILE``, writes the figures (milliseconds, medians of ``--runs``).
 
     python benchmarks/gpu_nixl_pull.py --tokens 1024,4096,8192,16384,24576 --json out.json
     python benchmarks/gpu_nixl_pull.py --kv-regions split --json split.json   # the old layout
+    python benchmarks/gpu_nixl_pull.py --arena --runs 3 --json arena.json      # + the host arena
 
 kvlease's cost-model defaults (``kvlease_vllm._config.KVLeaseConfig``: ``pull_per_descriptor_s``,
 ``default_pull_bandwidth_bps``, ``pull_fixed_latency_s``, ``staging_min_descriptors``,
@@ -160,16 +166,63 @@ def d_main(conn: Any, layout: Layout, max_blocks: int, threads: int, progress_de
             "staging": staging.data_ptr(),
         }
     )
+    store = None
     while True:
         msg = conn.recv()
         if msg is None:
             break
+        if isinstance(msg, dict):  # the host arena, with kvlease's own worker code
+            if store is None:
+                store = _arena_store(caches, layout, max_blocks)
+            conn.send(_arena_op(store, msg, staging))
+            continue
         ids = torch.as_tensor(msg, dtype=torch.int64, device="cuda")
         n = ids.numel()
         for r, cache in enumerate(caches):
             torch.index_select(cache, 0, ids, out=staging[r * n : (r + 1) * n])
         torch.cuda.synchronize()
         conn.send(n)
+
+
+def _arena_store(caches: list[Any], layout: Layout, max_blocks: int) -> Any:
+    """D's host arena as its worker runs it (``kvlease_vllm._worker_arena.ArenaStore``): pinned,
+    one lease's range of every region's blocks, on its own stream."""
+    import torch
+
+    try:
+        from kvlease_vllm._worker_arena import ArenaStore
+    except ImportError:  # a bare checkout: the source tree next to this script
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        sys.path[:0] = [os.path.join(root, "server_patch"), os.path.join(root, "sdk")]
+        from kvlease_vllm._worker_arena import ArenaStore
+    views = [c.view(torch.uint8) for c in caches]
+    nbytes = layout.regions * max_blocks * layout.block_bytes
+    return ArenaStore(nbytes, views, [v.shape[1] for v in views], pin=True, stream=torch.cuda.Stream())
+
+
+def _arena_op(store: Any, msg: dict[str, Any], staging: Any) -> float:
+    """``demote``: the lease ``ids`` written through (the step's orders, as the scheduler sends
+    them), its seconds until the copy is done; ``promote``: the lease laid out in the staging
+    buffer for P's READ, its seconds."""
+    import types
+
+    import torch
+
+    from kvlease_vllm._hostlease import DEMOTES_ATTR, DROPS_ATTR, Demotion
+
+    ids = tuple(int(b) for b in msg["ids"])
+    t = time.perf_counter()
+    if msg["op"] == "demote":
+        order = Demotion("lease", 0, len(ids) * store.block_bytes, ids, device_ok=False)
+        meta = types.SimpleNamespace(**{DROPS_ATTR: ("lease",), DEMOTES_ATTR: (order,)})
+        mark = torch.cuda.Event()
+        store.before_step(meta, lambda: (mark.record(), mark)[1])
+        store.wait("lease")
+    else:
+        if not store.promote("lease", ids, staging.view(torch.uint8).view(-1), 0):
+            raise RuntimeError("the lease is not in the arena")
+    torch.cuda.synchronize()
+    return time.perf_counter() - t
 
 
 def _wait(agent: Any, handle: Any) -> None:
@@ -205,6 +258,7 @@ def p_main(
     threads: int,
     seed: int,
     progress_delay_us: int = 0,
+    arena: bool = False,
 ) -> dict[str, Any]:
     """P: initiates every READ, times it, checks the data."""
     import numpy as np
@@ -242,7 +296,9 @@ def p_main(
     for n_tok in tokens:
         n = layout.blocks_for(n_tok)
         times: dict[str, list[float]] = {
-            k: [] for k in ("per_block", "coalesced", "staged", "staged_pregathered", "torch_copy")
+            k: []
+            for k in ("per_block", "coalesced", "staged", "staged_pregathered", "torch_copy")
+            + (("demote", "promote", "arena") if arena else ())
         }
         for run in range(runs + 1):  # the first run warms up and is not counted
             d_ids = rng.choice(layout.num_blocks, n, replace=False)
@@ -286,6 +342,27 @@ def p_main(
                 if keep:
                     times["staged_pregathered" if pre else "staged"].append(dt)
 
+            if arena:  # the lease in D's host arena: D promotes it, P READs it and scatters it
+                conn.send({"op": "demote", "ids": d_ids.tolist()})
+                demote_s = conn.recv()
+                for c in caches:
+                    c.zero_()
+                t = time.perf_counter()
+                conn.send({"op": "promote", "ids": d_ids.tolist()})
+                promote_s = conn.recv()
+                h = agent.initialize_xfer("READ", local_one, remote_one, remote)
+                _wait(agent, h)
+                for r, cache in enumerate(caches):
+                    cache.index_copy_(0, pi, staging[r * n : (r + 1) * n])
+                torch.cuda.synchronize()
+                dt = time.perf_counter() - t
+                agent.release_xfer_handle(h)
+                check(p_ids, d_ids)
+                if keep:
+                    times["arena"].append(dt)
+                    times["demote"].append(demote_s)
+                    times["promote"].append(promote_s)
+
             # the memory-bandwidth floor: a device copy of the same bytes
             src = staging[: layout.regions * n]
             dst = torch.empty_like(src)
@@ -307,7 +384,13 @@ def p_main(
         print(
             f"{n_tok:>6} tok {row['descriptors_per_block']:>8} descs | per-block {row['per_block_ms']:8.2f} ms | "
             f"coalesced {row['coalesced_ms']:6.2f} | staged {row['staged_ms']:6.2f} | "
-            f"staged (pre-gathered) {row['staged_pregathered_ms']:6.2f} | copy {row['torch_copy_ms']:5.2f}",
+            f"staged (pre-gathered) {row['staged_pregathered_ms']:6.2f} | copy {row['torch_copy_ms']:5.2f}"
+            + (
+                f" | arena pull {row['arena_ms']:7.2f} (promote {row['promote_ms']:7.2f}, "
+                f"demote {row['demote_ms']:7.2f})"
+                if arena
+                else ""
+            ),
             flush=True,
         )
     conn.send(None)
@@ -338,6 +421,12 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="poll delay of NIXL's progress thread (kvlease's nixl_progress_delay_us; 0: NIXL's spin)",
     )
+    ap.add_argument(
+        "--arena",
+        action="store_true",
+        help="also the host arena (kvlease_vllm._worker_arena): D demotes a lease, then P's pull is "
+        "D's promotion into its staging buffer + one READ + P's scatter",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "on")
@@ -361,7 +450,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     d.start()
     try:
-        res = p_main(p_end, layout, tokens, args.runs, args.threads, args.seed, args.progress_delay_us)
+        res = p_main(
+            p_end, layout, tokens, args.runs, args.threads, args.seed, args.progress_delay_us, args.arena
+        )
     finally:
         d.join(timeout=60)
         if d.is_alive():

@@ -210,3 +210,47 @@ def test_sdk_rows_compare_with_the_raw_client_on_the_same_conversation(report: A
     assert measured.endswith("A/A +1.10 %; vs a raw client sending no id +7.86 %) (met)")
     old_baseline, old_measured = rows["SDK overhead per call, streaming"]
     assert old_baseline == "raw openai client: 3.79 ms/call" and "no id" not in old_measured
+
+
+def test_hostile_load_is_one_row_per_attack(report: Any) -> None:
+    """The stored hostile-load result renders as one row per attack (the victim's p50/p99 alone and
+    under attack, hits kept, failed turns, router CPU per attack request) under three headline
+    goals, not as its ~200 flattened keys; the raw figures stay in the folded raw results."""
+    stored = json.loads((BENCH / "results.json").read_text())["hostile"]
+    md = report.render_markdown({"hostile": stored})
+    rows = _rows(md)
+    head = next(r for r in rows if r[0] == "attack")
+    assert head[1:7] == [
+        "victim p50 / p99 alone (ms)",
+        "under attack (ms)",
+        "hits kept under attack",
+        "failed turns (alone / under)",
+        "attack requests/s",
+        "router CPU per attack request",
+    ]
+    by_attack = {r[0].split(":")[0]: r for r in rows[rows.index(head) + 2 :]}
+    assert list(by_attack) == [
+        "none (victim alone)",
+        "renew flood",
+        "renew flood, a new bearer token every request",
+        "anonymous renew, 101 ids a second",
+        "slow clients",
+        "stalled streams",
+        "fuzz",
+    ]
+    flood = by_attack["renew flood"]
+    assert flood[1:8] == ["3.2 / 5.5", "6.8 / 11.5 (2.1x p99)", "100 % of 630", "0 / 0", "2,839", "0.137 ms"]
+    assert by_attack["anonymous renew, 101 ids a second"][6] == "82.2 ms (5 requests: noise)"
+    assert by_attack["stalled streams"][6] == "—"  # it holds connections, sends no stream of requests
+    assert ["victim's failed turns, every window", "0", "12,233 turns", "0 (met)"] in rows
+    stalled = next(r for r in rows if r[0] == "victim's p99 under 50 stalled stream readers")
+    assert stalled[1:] == ["<= 2x its p99 alone", "alone: 58 ms", "2,872 ms (49.1x) (missed)"]
+    assert ["router 5xx to garbage", "0", "10,166 garbage requests", "0 (met)"] in rows
+    assert not any(r[0].startswith("phases.") for r in rows)  # no flattened keys in the tables
+    assert '"p99_ms": 2871.79' in md  # the raw result, folded at the end
+
+
+def test_hostile_counts_server_errors_and_survives_another_shape(report: Any) -> None:
+    assert report._server_errors({"http 200": 3, "http 503": 2, "raw 500": 1, "5xx": 4, "ms_total": 9}) == 7
+    md = report.render_markdown({"hostile": _entry("hostile", {"window_s": 5.0, "p99_ms": 3.0})})
+    assert ["p99_ms", "—", "—", "3"] in _rows(md) and "| attack |" not in md

@@ -130,6 +130,16 @@ class ArenaStore:
     def placed(self, rid: str) -> bool:
         return rid in self._placed
 
+    def wait(self, rid: str) -> bool:
+        """Block until the lease's demotion is done (tests and benchmarks); False: not demoted."""
+        with self._lock:
+            placed = self._placed.get(rid)
+            copy = placed.copy if placed is not None else None
+        if copy is None:
+            return False
+        copy.wait()
+        return True
+
     def _bump(self, allocated: Iterable[int]) -> None:
         gen = self._gen
         busy = []
