@@ -238,9 +238,7 @@ def histogram_delta(
         buckets[le] = buckets.get(le, 0.0) + value - before.get(key, 0.0)
 
     def total(suffix: str) -> float:
-        return sum(
-            v - before.get(k, 0.0) for k, v in after.items() if k.split("{", 1)[0] == name + suffix
-        )
+        return sum(v - before.get(k, 0.0) for k, v in after.items() if k.split("{", 1)[0] == name + suffix)
 
     return sorted(buckets.items()), total("_sum"), total("_count")
 

@@ -349,6 +349,11 @@ def _hostile(r: R) -> list[Row]:
     return rows
 
 
+def _under(alone: Mapping[str, Any], under: Mapping[str, Any]) -> str:
+    ratio = under["p99_ms"] / alone["p99_ms"]
+    return f"{under['p50_ms']:,.1f} / {under['p99_ms']:,.1f} ({ratio:.1f}x p99)"
+
+
 def _hits(w: Mapping[str, Any]) -> str:
     n, share = w["follow_up_turns"], w["follow_up_hit_share"]
     return "—" if not n else f"{_pct(share)} of {_n(n)}"
@@ -395,8 +400,7 @@ def hostile_table(r: R) -> list[str]:
             [
                 HOSTILE_ATTACKS.get(attack, attack),
                 f"{alone['p50_ms']:,.1f} / {alone['p99_ms']:,.1f}",
-                "—" if under is None else f"{under['p50_ms']:,.1f} / {under['p99_ms']:,.1f}"
-                + f" ({under['p99_ms'] / alone['p99_ms']:.1f}x p99)",
+                "—" if under is None else _under(alone, under),
                 "—" if under is None else _hits(under),
                 f"{alone['turns_failed']}" + ("" if under is None else f" / {under['turns_failed']}"),
                 "—" if rate is None else _n(rate),

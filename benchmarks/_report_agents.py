@@ -73,6 +73,7 @@ def section(name: str, r: Any) -> list[str]:
         "",
         f"{r.get('d_sizing')}.",
         "",
+        *([f"{r['settings']}.", ""] if r.get("settings") else []),
         head,
         "|" + "---|" * head.count(" | ") + "---|",
     ]
@@ -91,6 +92,21 @@ def section(name: str, r: Any) -> list[str]:
                 f"| {x['decode_tokens_per_s'] or 0:.1f} | {_ms(x['itl_s']['p50'])}/{_ms(x['itl_s']['p99'])} "
                 f"| {x['failed_turns']} of {x['turns']} |"
             )
+    notes = []
+    for arm, a in r["arms"].items():
+        for n, x in a.get("by_n", {}).items():
+            st = ", ".join(f"{k} {v}" for k, v in sorted(x.get("statuses", {}).items()))
+            src = x.get("ttft_source", "")
+            e = x.get("ttft_estimate_error_s") or {}
+            err = (
+                f"; the TTFT estimate on these streamed turns: median error {_ms(e.get('median'))} ms, "
+                f"p90 |error| {_ms(e.get('p90_abs'))} ms"
+                if e.get("n")
+                else ""
+            )
+            notes.append(f"- {arm}, N={n}: follow-ups {st}; TTFT: {src}{err}.")
+    if notes:
+        lines += ["", "Follow-up statuses and how TTFT was taken:", "", *notes]
     lines += [
         "",
         "Real traces: `pip install agentx-harness==1.0.12` (AIPerf 0.13.0), then `aiperf profile --endpoint-type "
@@ -127,14 +143,33 @@ def plot_agents(r: R, out: Path) -> list[tuple[str, str]]:
     plt.close(fig)
     made.append(("agents_ttft_p90.png", "TTFT p90 against live sessions per arm"))
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
-    for arm, a in ran.items():
+    blocks = r.get("d_blocks") or 0
+    for i, (arm, a) in enumerate(ran.items()):
         n = max(a["by_n"], key=int)
+        color = f"C{i}"
         series = a["by_n"][n]["lease_blocks"]["series"]
         if series:
-            ax.step([s[0] for s in series], [s[1] for s in series], where="post", label=f"{arm} (N={n})")
+            ax.step(
+                [s[0] for s in series],
+                [s[1] for s in series],
+                where="post",
+                color=color,
+                label=f"{arm} (N={n})",
+            )
+        used = (a["by_n"][n].get("d_kv_used") or {}).get("series") or []
+        if used and blocks:
+            ax.step(
+                [s[0] for s in used],
+                [s[1] * blocks for s in used],
+                where="post",
+                color=color,
+                ls=":",
+                lw=1,
+                label=f"{arm}: D KV in use" if not series else None,
+            )
     ax.set_xlabel("time into the run (s)")
-    ax.set_ylabel("D blocks held by leases")
-    ax.set_title("Lease-held KV blocks on D")
+    ax.set_ylabel("D KV blocks")
+    ax.set_title("D's KV blocks: held by leases (solid), in use by all (dotted)")
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)

@@ -177,7 +177,7 @@ def make_plan(quick: bool, arms: str | None, ns: str | None, duration: float | N
     return Plan(
         arms=tuple(by[n] for n in names),
         ns=sweep,
-        duration_s=duration or (60.0 if quick else 60.0),
+        duration_s=duration or 60.0,
         gap_scale=0.1 if quick else 0.25,
         ttl_s=TTL_S,
         d_blocks=blocks,
@@ -394,6 +394,7 @@ async def _poll_d(
     stop: asyncio.Event,
     held: list[tuple[float, float]],
     used: list[tuple[float, float]],
+    host: list[tuple[float, float]],
     every: float = 1.0,
 ) -> None:
     """Every ``every`` s: the blocks leases hold on D (its control endpoint's
@@ -416,6 +417,7 @@ async def _poll_d(
                     m = parse_prometheus((await http.get(base + CONTROL_METRICS_PATH, headers=auth)).text)
                     key = "kvlease_device_blocks_held"
                     held.append((now, m.total(key if key in m.names() else "kvlease_retained_blocks")))
+                    host.append((now, m.total("kvlease_host_bytes_used")))
             except Exception:  # a missed poll is a gap in the series, not a failure of the arm
                 pass
             try:
@@ -424,11 +426,40 @@ async def _poll_d(
                 pass
 
 
-def _d_counter(stack: Any, name: str) -> float:
+#: Counters diffed over each run: P's pull decisions (by reason) and pulls (by source); D's lease
+#: renewals, releases (by cause), placements, demotions and host-arena evictions (by reason).
+CONTROL_COUNTERS = (
+    "kvlease_pull_decisions",
+    "kvlease_pulls",
+    "kvlease_lease_",
+    "kvlease_placements",
+    "kvlease_demotions",
+    "kvlease_evictions",
+)
+
+
+def _scrape(stack: Any) -> dict[str, Any]:
+    """D's vLLM metrics and both control endpoints' (kvlease), for before/after deltas."""
+    import httpx
+
+    from kvlease.protocol import CONTROL_AUTH_HEADER, CONTROL_METRICS_PATH
+    from kvlease_stack import parse_prometheus
+
+    out: dict[str, Any] = {}
     try:
-        return float(stack.decode.metrics(timeout=10.0).total(name))
+        out["d"] = stack.decode.metrics(timeout=10.0)
     except Exception:
-        return math.nan
+        out["d"] = {}
+    auth = {CONTROL_AUTH_HEADER: f"Bearer {stack.control_secret}"}
+    for role, server in (("p_control", stack.prefill), ("d_control", stack.decode)):
+        if server.control is None:
+            continue
+        try:
+            text = httpx.get(server.control + CONTROL_METRICS_PATH, headers=auth, timeout=10.0).text
+            out[role] = parse_prometheus(text)
+        except Exception:
+            out[role] = {}
+    return out
 
 
 async def _tokenize(url: str, model: str, texts: list[str]) -> list[list[int] | None]:
@@ -460,11 +491,12 @@ async def _replay(
     turns: list[dict[str, Any]] = []
     held: list[tuple[float, float]] = []
     used: list[tuple[float, float]] = []
+    host: list[tuple[float, float]] = []
     stop = asyncio.Event()
-    pre0 = _d_counter(stack, "vllm:num_preemptions_total")
+    before = _scrape(stack)
     t0 = time.monotonic()
     deadline = t0 + plan.duration_s
-    poller = asyncio.create_task(_poll_d(stack, t0, stop, held, used))
+    poller = asyncio.create_task(_poll_d(stack, t0, stop, held, used, host))
     tag = f"{arm.name}-n{n}"
     try:
         await asyncio.gather(
@@ -481,7 +513,26 @@ async def _replay(
             await client.close()
         else:
             await raw.close()
-    preempt = _d_counter(stack, "vllm:num_preemptions_total") - pre0
+    after = _scrape(stack)
+    preempt = (
+        sum(S.counter_deltas(before["d"], after["d"], ("vllm:num_preemptions",)).values())
+        if before["d"] and after["d"]
+        else math.nan
+    )
+    itl_buckets, itl_sum, itl_count = S.histogram_delta(
+        before["d"], after["d"], "vllm:inter_token_latency_seconds"
+    )
+    itl_mean = itl_sum / itl_count if itl_count else None
+    # TTFT of non-streamed turns, and the same estimate's error where TTFT was measured
+    est_err: list[float] = []
+    for t in turns:
+        if t.get("error") or itl_mean is None or t.get("completion_tokens") is None:
+            continue
+        est = S.estimate_ttft(t["e2e_s"], t["completion_tokens"], itl_mean)
+        if t.get("ttft_s") is None:
+            t["ttft_s"] = est
+        else:
+            est_err.append(est - t["ttft_s"])
     # round trip: does the answer's text re-tokenize to what D generated (D holds those tokens)?
     done = [t for t in turns if not t.get("error") and t.get("token_ids")]
     toks = await _tokenize(stack.prefill.url, stack.model_name, [t["content"] for t in done])
@@ -496,7 +547,29 @@ async def _replay(
         t["round_trip"] = None if prev is None else prev.get("round_trip_answer")
         t.pop("token_ids", None)
         t.pop("content", None)
+    ttl_seen = sorted({str(t["router_ttl_s"]) for t in turns if t.get("router_ttl_s")})
+    for t in turns:
+        t.pop("router_ttl_s", None)
     out = S.summarize(turns, wall)
+    if not arm.stream:  # no client-side token timing: D's own histogram
+        out["itl_s"] = {
+            "p50": S.histogram_quantile(itl_buckets, 0.5),
+            "p99": S.histogram_quantile(itl_buckets, 0.99),
+        }
+    out["ttft_source"] = (
+        "first streamed token (client)"
+        if arm.stream
+        else "estimated: end-to-end less (completion tokens - 1) x D's mean ITL (non-streamed turns)"
+    )
+    out["itl_source"] = "client, streamed chunks" if arm.stream else "D's vllm:inter_token_latency_seconds"
+    out["d_itl_mean_s"] = itl_mean
+    out["ttft_estimate_error_s"] = pcts_abs(est_err)
+    out["router_ttl_s"] = ttl_seen
+    out["connector_counters"] = {
+        role: S.counter_deltas(before[role], after[role], CONTROL_COUNTERS)
+        for role in ("p_control", "d_control")
+        if role in after
+    }
     block_s, mx = S.block_seconds(held)
     used_s, used_max = S.block_seconds(used)
     exposed = stack.decode.control is not None
@@ -515,7 +588,9 @@ async def _replay(
             "mean_share": round(used_s / wall, 3) if wall > 0 else None,
             "max_share": round(used_max, 3),
             "block_s": round(used_s * plan.d_blocks, 1),
+            "series": [(round(t, 1), round(u, 4)) for t, u in used],
         },
+        "host_bytes_max": max((b for _, b in host), default=None),
         "errors": sorted({t["error"] for t in turns if t.get("error")})[:5],
     }
     return out
@@ -524,6 +599,15 @@ async def _replay(
 # --------------------------------------------------------------------------------------------------
 # Arms
 # --------------------------------------------------------------------------------------------------
+
+
+def pcts_abs(errors: list[float]) -> dict[str, Any]:
+    """The TTFT estimate's error on streamed turns: n, median signed error, p90 of |error|."""
+    return {
+        "n": len(errors),
+        "median": S.percentile(errors, 50),
+        "p90_abs": S.percentile([abs(e) for e in errors], 90),
+    }
 
 
 def _spec(arm: Arm, plan: Plan) -> Any:
@@ -545,7 +629,9 @@ def _budgets(arm: Arm, plan: Plan) -> str:
     d = f"D KV {plan.d_blocks} blocks x {BLOCK_TOKENS} tokens"
     if arm.kvlease.get("host_arena_bytes"):
         d += f", host arena {arm.kvlease['host_arena_bytes'] >> 20} MiB"
-    return d + f", TTL {plan.ttl_s:g} s" + (" (fixed)" if not arm.sdk and arm.bidir else "")
+    if not arm.bidir:
+        return d
+    return d + f", TTL {plan.ttl_s:g} s" + (" (fixed)" if not arm.sdk else " (renewed by heartbeats)")
 
 
 def run_arm(arm: Arm, plan: Plan, sessions: list[S.Session], progress: Progress) -> dict[str, Any]:
@@ -566,7 +652,9 @@ def run_arm(arm: Arm, plan: Plan, sessions: list[S.Session], progress: Progress)
         progress.say(f"{arm.name}: not run: {res['not_run'][:160]}")
         return res
     try:
-        with stack, router_process(stack) as router:
+        # stock-vLLM mode: the router cannot ask D its TTL (/v1/models does not say), so tell it
+        args = [] if arm.connector == "kvlease" else ["--node-ttl", f"{plan.ttl_s:g}"]
+        with stack, router_process(stack, extra_args=args) as router:
             for n in plan.ns:
                 progress.say(f"{arm.name}: N={n} replay ({plan.duration_s:g} s)", plan.duration_s)
                 r = asyncio.run(_replay(arm, stack, router, sessions, n, plan))
@@ -596,12 +684,24 @@ def _line(r: dict[str, Any]) -> str:
     )
 
 
+def settings_line(plan: Plan) -> str:
+    router = plan.ttl_s - ROUTER_TTL_MARGIN_S
+    return (
+        f"Settings, every arm: N {','.join(map(str, plan.ns))}, {plan.duration_s:g} s per N, recorded gaps "
+        f"x {plan.gap_scale:g}; D's TTL {plan.ttl_s:g} s (upstream: fixed decoder_kv_blocks_ttl; kvlease: "
+        f"lease TTL); router lease {router:g} s (D's less {ROUTER_TTL_MARGIN_S:g} s; stock mode told "
+        f"--node-ttl); SDK keeper renews every {RENEW_FRACTION * router:g} s (kvlease arms, heartbeats on); "
+        f"host arena {HOST_ARENA_BYTES >> 20} MiB per worker (auto/host)"
+    )
+
+
 def run(
     quick: bool = False, arms: str | None = None, ns: str | None = None, duration: float | None = None
 ) -> dict[str, Any]:
     plan = make_plan(quick, arms, ns, duration)
     sessions = S.load_sessions()
     print(plan.sizing, flush=True)
+    print(settings_line(plan), flush=True)
     total = len(plan.arms) * (90 + len(plan.ns) * plan.duration_s)
     progress = Progress(total)
     out: dict[str, Any] = {
@@ -617,6 +717,7 @@ def run(
             else "recorded delays"
         ),
         "ttl_s": plan.ttl_s,
+        "settings": settings_line(plan),
         "d_blocks": plan.d_blocks,
         "d_sizing": plan.sizing,
         "ttft_target_s": TTFT_TARGET_S,
@@ -634,7 +735,9 @@ def print_table(res: dict[str, Any]) -> None:
         f"\n{res['sessions']} sessions ({res['sessions_file']}), {res['gap_note']}, run {res['duration_s']:g} s per N"
     )
     print(res["d_sizing"])
-    head = f"{'arm':16s} {'N':>3s} {'TTFT p50':>9s} {'p90':>7s} {'p99':>7s} {'hit %':>6s} {'reused %':>8s} {'rt %':>5s} {'blk·s':>8s} {'max':>5s} {'preempt':>7s} {'tok/s':>6s} {'ITL p99':>8s} {'failed':>7s}"
+    if res.get("settings"):
+        print(res["settings"])
+    head = f"{'arm':16s} {'N':>3s} {'TTFT p50':>9s} {'p90':>7s} {'p99':>7s} {'hit %':>6s} {'reused %':>8s} {'rt %':>5s} {'blk·s':>8s} {'max':>5s} {'preempt':>7s} {'tok/s':>6s} {'ITL p99':>8s} {'D KV %':>7s} {'failed':>7s}"
     print(head)
     print("-" * len(head))
     for name, a in res["arms"].items():
@@ -647,11 +750,25 @@ def print_table(res: dict[str, Any]) -> None:
                 f"{name:16s} {n:>3s} {_f(t['p50'], 1e3):>9s} {_f(t['p90'], 1e3):>7s} {_f(t['p99'], 1e3):>7s} "
                 f"{_f(r['hit_rate'], 100):>6s} {_f(r['reused_token_share'], 100):>8s} {_f(r['round_trip_rate'], 100):>5s} "
                 f"{_f(r['lease_blocks']['block_s']):>8s} {_f(r['lease_blocks']['max']):>5s} {_f(r['d_preemptions']):>7s} "
-                f"{_f(r['decode_tokens_per_s'], 1, '.1f'):>6s} {_f(r['itl_s']['p99'], 1e3):>8s} {r['failed_turns']:>3d}/{r['turns']:<3d}"
+                f"{_f(r['decode_tokens_per_s'], 1, '.1f'):>6s} {_f(r['itl_s']['p99'], 1e3):>8s} {_f(r['d_kv_used']['mean_share'], 100):>3s}/{_f(r['d_kv_used']['max_share'], 100):<3s} {r['failed_turns']:>3d}/{r['turns']:<3d}"
             )
         print(
             f"{'':16s} supported sessions (TTFT p90 <= {res['ttft_target_s']:g} s): {a.get('supported_sessions')}; {a['connectors']}; {a['budgets']}"
         )
+    print("\nStatuses of follow-up turns, connector counters (deltas over the run), TTFT source:")
+    for name, a in res["arms"].items():
+        for n, r in a.get("by_n", {}).items():
+            e = r.get("ttft_estimate_error_s") or {}
+            print(
+                f"  {name} N={n}: {r['statuses']}; router TTL {r.get('router_ttl_s')}; TTFT {r.get('ttft_source')}"
+                + (
+                    f" (estimate error on these turns: median {_f(e.get('median'), 1e3)} ms, p90 |err| {_f(e.get('p90_abs'), 1e3)} ms)"
+                    if e.get("n")
+                    else ""
+                )
+            )
+            for role, c in (r.get("connector_counters") or {}).items():
+                print(f"    {role}: {c}")
     print("\nTTFT by recorded gap (p90 ms, n):")
     for name, a in res["arms"].items():
         for n, r in a.get("by_n", {}).items():

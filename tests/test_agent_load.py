@@ -161,7 +161,56 @@ def test_the_plan_is_data_driven_and_sizes_d_small() -> None:
     plan = A.make_plan(True, None, None, None)
     assert [a.name for a in plan.arms] == list(A.QUICK_ARMS) and plan.gap_scale < 1
     full = A.make_plan(False, None, None, None)
-    assert {a.name for a in full.arms} == {a.name for a in A.ARMS} and full.ns == (2, 4, 8)
+    assert {a.name for a in full.arms} == {a.name for a in A.ARMS} and full.ns == (2, 4)
+    # one TTL for every arm, long enough that the SDK's renewals (every 0.6 x (TTL - 5 s)) are never late
+    assert plan.ttl_s == full.ttl_s == A.TTL_S and A.RENEW_FRACTION * (A.TTL_S - A.ROUTER_TTL_MARGIN_S) >= 10
+    assert "--node-ttl" not in A.settings_line(full) or "told" in A.settings_line(full)
+    up = next(a for a in A.ARMS if a.name == "upstream")
+    assert not up.stream and all(a.stream for a in A.ARMS if a.name != "upstream")
     assert "--num-gpu-blocks-override" in full.sizing and full.d_blocks < 200
     with pytest.raises(ValueError):
         A.make_plan(False, "nope", None, None)
+
+
+def test_counter_deltas_keep_the_named_counters_that_moved() -> None:
+    before = {'kvlease_pull_decisions_total{reason="pull"}': 2.0, "kvlease_leases": 3.0}
+    after = {
+        'kvlease_pull_decisions_total{reason="pull"}': 5.0,
+        'kvlease_pull_decisions_total{reason="local_hit"}': 1.0,
+        'kvlease_pulls_total{source="host"}': 0.0,
+        "kvlease_leases": 9.0,
+        "other_total": 4.0,
+    }
+    assert S.counter_deltas(before, after, ("kvlease_pull",)) == {
+        'kvlease_pull_decisions_total{reason="local_hit"}': 1.0,
+        'kvlease_pull_decisions_total{reason="pull"}': 3.0,
+    }
+
+
+def test_histogram_quantile_of_the_run_interpolates_like_prometheus() -> None:
+    name = "vllm:inter_token_latency_seconds"
+    key = name + '_bucket{engine="0",le="%s"}'
+    before = {
+        key % "0.01": 1.0,
+        key % "0.1": 1.0,
+        key % "+Inf": 1.0,
+        name + "_sum": 0.005,
+        name + "_count": 1.0,
+    }
+    after = {
+        key % "0.01": 1.0,
+        key % "0.1": 11.0,
+        key % "+Inf": 11.0,
+        name + "_sum": 0.505,
+        name + "_count": 11.0,
+    }
+    buckets, total, count = S.histogram_delta(before, after, name)
+    assert buckets == [(0.01, 0.0), (0.1, 10.0), (math.inf, 10.0)] and count == 10.0
+    assert math.isclose(total, 0.5)
+    assert math.isclose(S.histogram_quantile(buckets, 0.5), 0.055)
+    assert S.histogram_quantile([], 0.5) is None and S.histogram_quantile([(1.0, 0.0)], 0.5) is None
+
+
+def test_the_ttft_of_an_unstreamed_turn_is_its_time_less_the_later_decode_steps() -> None:
+    assert math.isclose(S.estimate_ttft(1.0, 11, 0.05), 0.5)
+    assert S.estimate_ttft(0.2, 11, 0.05) == 0.0 and S.estimate_ttft(0.3, 0, 0.05) == 0.3

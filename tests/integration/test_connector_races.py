@@ -30,7 +30,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
@@ -86,9 +86,23 @@ DRAIN_TIMEOUT_S = 60.0
 HIT, EXPIRED, MISS, ERROR = ReuseStatus.HIT, ReuseStatus.EXPIRED, ReuseStatus.MISS, ReuseStatus.ERROR
 
 
-@pytest.fixture(scope="module")
-def pd(stack_factory: Callable[[StackSpec], Stack]) -> PD:
-    return PD(stack_factory(SPEC))
+#: The same races with the lease in D's host arena (``kvlease.placement`` host): D gives the blocks
+#: back once written through and serves the read from the arena through its staging buffer.
+HOST_SPEC = replace(
+    SPEC,
+    kvlease={
+        **SPEC.kvlease,
+        "placement": "host",
+        "host_arena_bytes": 64 << 20,
+        "staging": "always",
+        "staging_timeout_s": 10.0,
+    },
+)
+
+
+@pytest.fixture(scope="module", params=["device", "host"])
+def pd(request: pytest.FixtureRequest, stack_factory: Callable[[StackSpec], Stack]) -> PD:
+    return PD(stack_factory(HOST_SPEC if request.param == "host" else SPEC))
 
 
 # ------------------------------------------------------------------------------ helpers
