@@ -393,3 +393,37 @@ def test_what_the_trim_at_the_final_ask_relies_on(upstream: ClassIndex) -> None:
     assert (
         "block.block_hash is not None and not block.is_null" in _nixl(root, "pull_scheduler.py").read_text()
     )
+
+
+def test_what_host_placement_relies_on(upstream: ClassIndex) -> None:
+    """Host placement (``kvlease_vllm._hostlease``, ``_placement``, ``_worker_arena``) relies on:
+    - the model runner calling ``handle_preemptions`` with the step's connector metadata before the
+      step zeroes, copies or writes any block (``_update_states``) and before a step without a
+      forward returns, so a worker sees a step's allocated blocks before the step touches them;
+    - the scheduler allocating a step's blocks before it builds the step's connector metadata;
+    - every block a step may write being named in its output (new requests' ``block_ids``, running
+      and resumed requests' ``new_block_ids``);
+    - ``KVCacheBlock.block_hash`` / ``ref_cnt`` (the cached-blocks gauge) and the NIXL stats object
+      the workers' figures ride on (``NixlKVConnectorStats``, exported by the nixl package)."""
+    root: Path = upstream.root  # type: ignore[attr-defined]
+    runner = (root / "v1" / "worker" / "gpu_model_runner.py").read_text()
+    i = runner.index("get_kv_transfer_group().handle_preemptions(kv_connector_metadata)")
+    assert runner.index("self._update_states(scheduler_output)", i) > i
+    assert runner.index("return self.kv_connector_no_forward(", i) > i
+    base = (root / "distributed" / "kv_transfer" / "kv_connector" / "v1" / "base.py").read_text()
+    assert "def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata)" in base
+    sched = (root / "v1" / "core" / "sched" / "scheduler.py").read_text()
+    j = sched.index("def schedule(self")
+    build = sched.index("self._build_kv_connector_meta(self.connector, scheduler_output)", j)
+    end = sched.index("\n    def ", build)  # the end of schedule()
+    last_alloc = sched.rfind("allocate_slots(", j, end)
+    assert j < last_alloc < build, "a block allocated after the connector metadata was built"
+    out = root / "v1" / "core" / "sched" / "output.py"
+    assert "block_ids" in _class_fields(out, "NewRequestData")
+    assert "new_block_ids" in _class_fields(out, "CachedRequestData")
+    assert {"scheduled_new_reqs", "scheduled_cached_reqs"} <= _class_fields(out, "SchedulerOutput")
+    block = _class_fields(root / "v1" / "core" / "kv_cache_utils.py", "KVCacheBlock")
+    assert {"block_hash", "ref_cnt"} <= block
+    init = _nixl(root, "__init__.py").read_text()
+    assert "NixlKVConnectorStats" in init
+    assert "kv_connector_stats" in _class_fields(root / "v1" / "outputs.py", "KVConnectorOutput")
