@@ -265,3 +265,27 @@ def estimate_ttft(e2e_s: float, completion_tokens: int, itl_s: float) -> float:
     """TTFT of a non-streamed turn: its end-to-end time less the decode steps after the first token
     (``completion_tokens - 1`` of them, each D's mean inter-token latency over the run)."""
     return max(0.0, e2e_s - max(0, completion_tokens - 1) * itl_s)
+
+
+def error_summary(errors: Sequence[float]) -> dict[str, Any]:
+    """The TTFT estimate's error on streamed turns: n, median signed error, p90 of |error|."""
+    return {
+        "n": len(errors),
+        "median": percentile(errors, 50),
+        "p90_abs": percentile([abs(e) for e in errors], 90),
+    }
+
+
+def fill_ttft_estimates(turns: Sequence[dict[str, Any]], itl_s: float | None) -> list[float]:
+    """Give each answered turn without a measured TTFT (non-streamed) its estimate; return the
+    estimate's error (estimate - measured) on the turns whose TTFT was measured."""
+    errors: list[float] = []
+    for t in turns:
+        if t.get("error") or itl_s is None or t.get("completion_tokens") is None:
+            continue
+        est = estimate_ttft(t["e2e_s"], t["completion_tokens"], itl_s)
+        if t.get("ttft_s") is None:
+            t["ttft_s"] = est
+        else:
+            errors.append(est - t["ttft_s"])
+    return errors

@@ -4,6 +4,7 @@ N per arm and a plot of the blocks leases hold on D over time. ``_report.py`` ca
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,69 @@ def _kv(u: Mapping[str, Any] | None) -> str:
     if not u or u.get("mean_share") is None:
         return "—"
     return f"{u['mean_share'] * 100:.0f}/{u['max_share'] * 100:.0f} %"
+
+
+def fmt(x: float | None, scale: float = 1.0, fmt: str = ".0f") -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x * scale, fmt)
+
+
+def run_line(r: dict[str, Any]) -> str:
+    t = r["ttft_s"]
+    return (
+        f"TTFT p50/p90/p99 {fmt(t['p50'], 1e3)}/{fmt(t['p90'], 1e3)}/{fmt(t['p99'], 1e3)} ms, "
+        f"hit {fmt(r['hit_rate'], 100)} %, reused {fmt(r['reused_token_share'], 100)} %, "
+        f"round-trip {fmt(r['round_trip_rate'], 100)} %, lease block·s {fmt(r['lease_blocks']['block_s'])} "
+        f"(max {fmt(r['lease_blocks']['max'])}), D KV used mean/max {fmt(r['d_kv_used']['mean_share'], 100)}/"
+        f"{fmt(r['d_kv_used']['max_share'], 100)} %, preemptions {fmt(r['d_preemptions'])}, "
+        f"{fmt(r['decode_tokens_per_s'], 1, '.1f')} tok/s, ITL p50/p99 {fmt(r['itl_s']['p50'], 1e3)}/"
+        f"{fmt(r['itl_s']['p99'], 1e3)} ms, failed {r['failed_turns']}/{r['turns']}, {r['statuses']}"
+    )
+
+
+def print_table(res: dict[str, Any]) -> None:
+    print(
+        f"\n{res['sessions']} sessions ({res['sessions_file']}), {res['gap_note']}, run {res['duration_s']:g} s per N"
+    )
+    print(res["d_sizing"])
+    if res.get("settings"):
+        print(res["settings"])
+    head = f"{'arm':16s} {'N':>3s} {'TTFT p50':>9s} {'p90':>7s} {'p99':>7s} {'hit %':>6s} {'reused %':>8s} {'rt %':>5s} {'blk·s':>8s} {'max':>5s} {'preempt':>7s} {'tok/s':>6s} {'ITL p99':>8s} {'D KV %':>7s} {'failed':>7s}"
+    print(head)
+    print("-" * len(head))
+    for name, a in res["arms"].items():
+        if a.get("not_run"):
+            print(f"{name:16s} not run: {a['not_run'][:200]}")
+            continue
+        for n, r in a["by_n"].items():
+            t = r["ttft_s"]
+            print(
+                f"{name:16s} {n:>3s} {fmt(t['p50'], 1e3):>9s} {fmt(t['p90'], 1e3):>7s} {fmt(t['p99'], 1e3):>7s} "
+                f"{fmt(r['hit_rate'], 100):>6s} {fmt(r['reused_token_share'], 100):>8s} {fmt(r['round_trip_rate'], 100):>5s} "
+                f"{fmt(r['lease_blocks']['block_s']):>8s} {fmt(r['lease_blocks']['max']):>5s} {fmt(r['d_preemptions']):>7s} "
+                f"{fmt(r['decode_tokens_per_s'], 1, '.1f'):>6s} {fmt(r['itl_s']['p99'], 1e3):>8s} {fmt(r['d_kv_used']['mean_share'], 100):>3s}/{fmt(r['d_kv_used']['max_share'], 100):<3s} {r['failed_turns']:>3d}/{r['turns']:<3d}"
+            )
+        print(
+            f"{'':16s} supported sessions (TTFT p90 <= {res['ttft_target_s']:g} s): {a.get('supported_sessions')}; {a['connectors']}; {a['budgets']}"
+        )
+    print("\nStatuses of follow-up turns, connector counters (deltas over the run), TTFT source:")
+    for name, a in res["arms"].items():
+        for n, r in a.get("by_n", {}).items():
+            e = r.get("ttft_estimate_error_s") or {}
+            print(
+                f"  {name} N={n}: {r['statuses']}; router TTL {r.get('router_ttl_s')}; TTFT {r.get('ttft_source')}"
+                + (
+                    f" (estimate error on these turns: median {fmt(e.get('median'), 1e3)} ms, p90 |err| {fmt(e.get('p90_abs'), 1e3)} ms)"
+                    if e.get("n")
+                    else ""
+                )
+            )
+            for role, c in (r.get("connector_counters") or {}).items():
+                print(f"    {role}: {c}")
+    print("\nTTFT by recorded gap (p90 ms, n):")
+    for name, a in res["arms"].items():
+        for n, r in a.get("by_n", {}).items():
+            cells = ", ".join(f"{b} {fmt(v['p90'], 1e3)} ({v['n']})" for b, v in r["ttft_by_gap_s"].items())
+            print(f"  {name} N={n}: {cells}")
 
 
 def agent_rows(r: R) -> list[Row]:
@@ -104,7 +168,16 @@ def section(name: str, r: Any) -> list[str]:
                 if e.get("n")
                 else ""
             )
-            notes.append(f"- {arm}, N={n}: follow-ups {st}; TTFT: {src}{err}.")
+            reused = x.get("reused_source") or (
+                "the router's upper bound: tokens D held"
+                if "NixlConnector" in a.get("connectors", "")
+                else ""
+            )
+            notes.append(
+                f"- {arm}, N={n}: follow-ups {st}; TTFT: {src}{err}"
+                + (f"; reused tokens: {reused}" if reused else "")
+                + "."
+            )
     if notes:
         lines += ["", "Follow-up statuses and how TTFT was taken:", "", *notes]
     lines += [

@@ -56,6 +56,8 @@ for _p in (str(HERE), str(ROOT)):
         sys.path.insert(0, _p)
 
 import _agent_sessions as S  # noqa: E402
+import _report_agents as RA  # noqa: E402
+from _report_agents import print_table  # noqa: E402  (run.py calls ``agent_load.print_table``)
 
 MODEL = "tiny"
 #: vLLM CPU's KV block (tokens); D's block count below is in these.
@@ -216,9 +218,9 @@ async def _turn(
     turn: S.Turn,
     extra: dict[str, Any],
     headers: dict[str, str],
-    stream: bool = True,
+    streamed: bool = True,
 ) -> dict[str, Any]:
-    if not stream:
+    if not streamed:
         return await _turn_unstreamed(client, model, messages, turn, extra, headers)
     t0 = time.perf_counter()
     stream = await client.chat.completions.create(
@@ -426,6 +428,11 @@ async def _poll_d(
                 pass
 
 
+#: Where a hit's reused tokens come from (``X-KVLease-Reused-Tokens``, ``kvlease_router._reuse``).
+REUSED_SOURCE = {
+    "kvlease": "P's report: tokens pulled from D beyond P's own prefix cache",
+    "nixl": "the router's upper bound: tokens D held (stock vLLM reports no pull; P's prefix-cache hits included)",
+}
 #: Counters diffed over each run: P's pull decisions (by reason) and pulls (by source); D's lease
 #: renewals, releases (by cause), placements, demotions and host-arena evictions (by reason).
 CONTROL_COUNTERS = (
@@ -524,15 +531,7 @@ async def _replay(
     )
     itl_mean = itl_sum / itl_count if itl_count else None
     # TTFT of non-streamed turns, and the same estimate's error where TTFT was measured
-    est_err: list[float] = []
-    for t in turns:
-        if t.get("error") or itl_mean is None or t.get("completion_tokens") is None:
-            continue
-        est = S.estimate_ttft(t["e2e_s"], t["completion_tokens"], itl_mean)
-        if t.get("ttft_s") is None:
-            t["ttft_s"] = est
-        else:
-            est_err.append(est - t["ttft_s"])
+    est_err = S.fill_ttft_estimates(turns, itl_mean)
     # round trip: does the answer's text re-tokenize to what D generated (D holds those tokens)?
     done = [t for t in turns if not t.get("error") and t.get("token_ids")]
     toks = await _tokenize(stack.prefill.url, stack.model_name, [t["content"] for t in done])
@@ -562,8 +561,9 @@ async def _replay(
         else "estimated: end-to-end less (completion tokens - 1) x D's mean ITL (non-streamed turns)"
     )
     out["itl_source"] = "client, streamed chunks" if arm.stream else "D's vllm:inter_token_latency_seconds"
+    out["reused_source"] = REUSED_SOURCE[arm.connector]
     out["d_itl_mean_s"] = itl_mean
-    out["ttft_estimate_error_s"] = pcts_abs(est_err)
+    out["ttft_estimate_error_s"] = S.error_summary(est_err)
     out["router_ttl_s"] = ttl_seen
     out["connector_counters"] = {
         role: S.counter_deltas(before[role], after[role], CONTROL_COUNTERS)
@@ -601,21 +601,12 @@ async def _replay(
 # --------------------------------------------------------------------------------------------------
 
 
-def pcts_abs(errors: list[float]) -> dict[str, Any]:
-    """The TTFT estimate's error on streamed turns: n, median signed error, p90 of |error|."""
-    return {
-        "n": len(errors),
-        "median": S.percentile(errors, 50),
-        "p90_abs": S.percentile([abs(e) for e in errors], 90),
-    }
-
-
 def _spec(arm: Arm, plan: Plan) -> Any:
     from kvlease_stack import StackSpec, default_dtype
 
     return StackSpec(
         model=MODEL,
-        connector=arm.connector,  # type: ignore[arg-type]
+        connector=arm.connector,
         bidir=arm.bidir,
         ttl=plan.ttl_s,
         kvlease=arm.kvlease,
@@ -659,29 +650,12 @@ def run_arm(arm: Arm, plan: Plan, sessions: list[S.Session], progress: Progress)
                 progress.say(f"{arm.name}: N={n} replay ({plan.duration_s:g} s)", plan.duration_s)
                 r = asyncio.run(_replay(arm, stack, router, sessions, n, plan))
                 res["by_n"][str(n)] = r
-                print(f"  {arm.name} N={n}: {_line(r)}", flush=True)
+                print(f"  {arm.name} N={n}: {RA.run_line(r)}", flush=True)
     except Exception as e:
         res["error"] = f"{type(e).__name__}: {str(e)[-600:]}"
     p90 = {int(n): r["ttft_s"]["p90"] for n, r in res["by_n"].items()}
     res["supported_sessions"] = S.supported_sessions(p90, TTFT_TARGET_S)
     return res
-
-
-def _f(x: float | None, scale: float = 1.0, fmt: str = ".0f") -> str:
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x * scale, fmt)
-
-
-def _line(r: dict[str, Any]) -> str:
-    t = r["ttft_s"]
-    return (
-        f"TTFT p50/p90/p99 {_f(t['p50'], 1e3)}/{_f(t['p90'], 1e3)}/{_f(t['p99'], 1e3)} ms, "
-        f"hit {_f(r['hit_rate'], 100)} %, reused {_f(r['reused_token_share'], 100)} %, "
-        f"round-trip {_f(r['round_trip_rate'], 100)} %, lease block·s {_f(r['lease_blocks']['block_s'])} "
-        f"(max {_f(r['lease_blocks']['max'])}), D KV used mean/max {_f(r['d_kv_used']['mean_share'], 100)}/"
-        f"{_f(r['d_kv_used']['max_share'], 100)} %, preemptions {_f(r['d_preemptions'])}, "
-        f"{_f(r['decode_tokens_per_s'], 1, '.1f')} tok/s, ITL p50/p99 {_f(r['itl_s']['p50'], 1e3)}/"
-        f"{_f(r['itl_s']['p99'], 1e3)} ms, failed {r['failed_turns']}/{r['turns']}, {r['statuses']}"
-    )
 
 
 def settings_line(plan: Plan) -> str:
@@ -728,52 +702,6 @@ def run(
         out["arms"][arm.name] = run_arm(arm, plan, sessions, progress)
     progress.say("done")
     return out
-
-
-def print_table(res: dict[str, Any]) -> None:
-    print(
-        f"\n{res['sessions']} sessions ({res['sessions_file']}), {res['gap_note']}, run {res['duration_s']:g} s per N"
-    )
-    print(res["d_sizing"])
-    if res.get("settings"):
-        print(res["settings"])
-    head = f"{'arm':16s} {'N':>3s} {'TTFT p50':>9s} {'p90':>7s} {'p99':>7s} {'hit %':>6s} {'reused %':>8s} {'rt %':>5s} {'blk·s':>8s} {'max':>5s} {'preempt':>7s} {'tok/s':>6s} {'ITL p99':>8s} {'D KV %':>7s} {'failed':>7s}"
-    print(head)
-    print("-" * len(head))
-    for name, a in res["arms"].items():
-        if a.get("not_run"):
-            print(f"{name:16s} not run: {a['not_run'][:200]}")
-            continue
-        for n, r in a["by_n"].items():
-            t = r["ttft_s"]
-            print(
-                f"{name:16s} {n:>3s} {_f(t['p50'], 1e3):>9s} {_f(t['p90'], 1e3):>7s} {_f(t['p99'], 1e3):>7s} "
-                f"{_f(r['hit_rate'], 100):>6s} {_f(r['reused_token_share'], 100):>8s} {_f(r['round_trip_rate'], 100):>5s} "
-                f"{_f(r['lease_blocks']['block_s']):>8s} {_f(r['lease_blocks']['max']):>5s} {_f(r['d_preemptions']):>7s} "
-                f"{_f(r['decode_tokens_per_s'], 1, '.1f'):>6s} {_f(r['itl_s']['p99'], 1e3):>8s} {_f(r['d_kv_used']['mean_share'], 100):>3s}/{_f(r['d_kv_used']['max_share'], 100):<3s} {r['failed_turns']:>3d}/{r['turns']:<3d}"
-            )
-        print(
-            f"{'':16s} supported sessions (TTFT p90 <= {res['ttft_target_s']:g} s): {a.get('supported_sessions')}; {a['connectors']}; {a['budgets']}"
-        )
-    print("\nStatuses of follow-up turns, connector counters (deltas over the run), TTFT source:")
-    for name, a in res["arms"].items():
-        for n, r in a.get("by_n", {}).items():
-            e = r.get("ttft_estimate_error_s") or {}
-            print(
-                f"  {name} N={n}: {r['statuses']}; router TTL {r.get('router_ttl_s')}; TTFT {r.get('ttft_source')}"
-                + (
-                    f" (estimate error on these turns: median {_f(e.get('median'), 1e3)} ms, p90 |err| {_f(e.get('p90_abs'), 1e3)} ms)"
-                    if e.get("n")
-                    else ""
-                )
-            )
-            for role, c in (r.get("connector_counters") or {}).items():
-                print(f"    {role}: {c}")
-    print("\nTTFT by recorded gap (p90 ms, n):")
-    for name, a in res["arms"].items():
-        for n, r in a.get("by_n", {}).items():
-            cells = ", ".join(f"{b} {_f(v['p90'], 1e3)} ({v['n']})" for b, v in r["ttft_by_gap_s"].items())
-            print(f"  {name} N={n}: {cells}")
 
 
 def main() -> None:

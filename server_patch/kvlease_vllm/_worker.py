@@ -38,14 +38,12 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvlease.protocol._staging import (
     STAGED_FROM_DEVICE,
-    STAGED_FROM_HOST,
     STAGING_OP_RELEASE,
     STAGING_OP_STAGE,
     StagingRefusal,
@@ -53,11 +51,12 @@ from kvlease.protocol._staging import (
     StagingRequest,
 )
 from kvlease_vllm import _staging
-from kvlease_vllm._compat import NixlKVConnectorStats, NixlPullConnectorWorker, init_logger, vllm_envs
+from kvlease_vllm._compat import NixlPullConnectorWorker, init_logger, vllm_envs
 from kvlease_vllm._config import PLACEMENT_DEVICE, ConfigError, KVLeaseConfig, check_staging_memory
-from kvlease_vllm._metrics import STAT_DEMOTION_S, STAT_KEYS, STAT_PULLS
+from kvlease_vllm._metrics import STAT_DEMOTION_S, STAT_PULLS
 from kvlease_vllm._stagecopy import StagingCopier, kv_tensors, region_views
-from kvlease_vllm._worker_arena import ArenaStore, ReadPlan, allocate_arena
+from kvlease_vllm._worker_arena import ArenaStore, allocate_arena, stage_lease
+from kvlease_vllm._worker_state import _ASK, KVLeaseStats, _Abandoned, _Staged
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -67,57 +66,8 @@ logger = init_logger("vllm.kvlease.worker")
 
 __all__ = ["KVLeaseWorker"]
 
-_ASK, _READ, _SCATTER = "ask", "read", "scatter"
+_READ, _SCATTER = "read", "scatter"
 _DEVICE = STAGED_FROM_DEVICE
-
-
-class KVLeaseStats(NixlKVConnectorStats):  # type: ignore[misc]
-    """Upstream's NIXL connector stats with kvlease's keys (:data:`STAT_KEYS`), so that every
-    worker's stats aggregate alike and a step with only kvlease's figures is still sent."""
-
-    def reset(self) -> None:
-        super().reset()
-        for key in STAT_KEYS:
-            self.data[key] = []
-
-    def is_empty(self) -> bool:
-        return bool(super().is_empty()) and not any(self.data.get(k) for k in STAT_KEYS)
-
-    def record(self, key: str, value: float) -> None:
-        self.__dict__.setdefault("data", {}).setdefault(key, []).append(value)
-
-
-@dataclass
-class _Staged:
-    """P side: one staged pull, from the request to D until the scatter is done."""
-
-    meta: Any  # upstream's ReqMeta
-    future: Future[StagingReply]
-    deadline: float
-    host: str
-    port: int
-    agent: str  # D's NIXL agent (upstream's, from its handshake)
-    notif: bytes  # upstream's completion notification for D
-    local_ids: list[int]
-    slot: int  # P's staging range
-    offset: int
-    nbytes: int
-    read_by: float  # P uses the READ only if it is seen done by then (D holds its range longer)
-    stage: str = _ASK
-    reply: StagingReply | None = None
-    handle: Any = None
-    event: Any = None
-    t0: float = field(default_factory=time.perf_counter)
-    source: str = ""  # where D's bytes came from (StagingReply.source)
-
-
-@dataclass
-class _Abandoned:
-    """P side: a READ given up on while posted; its handle and P's range are kept until it ends."""
-
-    rid: str
-    engine_id: str
-    slot: int
 
 
 class KVLeaseWorker(NixlPullConnectorWorker):  # type: ignore[misc]
@@ -329,28 +279,21 @@ class KVLeaseWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         )
 
     def _kvl_stage(self, msg: StagingRequest, offset: int) -> tuple[str | None, str]:
-        """Lay the lease's blocks out at ``offset``: from the device copy while it is provably
-        intact (checked again after the gather), else from the host arena; the source, or None
-        and why."""
+        """Lay the lease's blocks out at ``offset`` (``_worker_arena.stage_lease``)."""
         assert self._kvl_copier is not None and self._kvl_buffer is not None
-        arena, rid, ids = self._kvl_arena, msg.lease_id, msg.block_ids
-        plan = arena.read_plan(rid, ids) if arena is not None else ReadPlan(_DEVICE)
-        if plan.source == _DEVICE:
-            # after the lease's last KV writes: the engine's mark when the lease reached this worker,
-            # else its latest (a lease whose finish has not reached it yet was written before that)
-            after = self._kvl_marks.get(rid, self._kvl_last_mark)
-            self._kvl_copier.gather(ids, offset, after=after)
-            if not self._kvl_live(rid):  # expired during the gather: the blocks may be reused
-                return None, "expired while staging"
-            if arena is None or arena.intact(ids, plan.gens):
-                return _DEVICE, ""
-            plan = ReadPlan(STAGED_FROM_HOST)  # a step took a block during the gather
-        if plan.source != STAGED_FROM_HOST:
-            return None, plan.refusal or "not staged"
-        assert arena is not None
-        if not arena.promote(rid, ids, self._kvl_buffer, offset) or not self._kvl_live(rid):
-            return None, "the lease left the host arena"
-        return STAGED_FROM_HOST, ""
+        # after the lease's last KV writes: the engine's mark when the lease reached this worker,
+        # else its latest (a lease whose finish has not reached it yet was written before that)
+        after = self._kvl_marks.get(msg.lease_id, self._kvl_last_mark)
+        return stage_lease(
+            self._kvl_arena,
+            self._kvl_copier,
+            self._kvl_buffer,
+            msg.lease_id,
+            msg.block_ids,
+            offset,
+            after,
+            self._kvl_live,
+        )
 
     def _kvl_stat(self, key: str) -> Callable[[float], None]:
         """A recorder of one of kvlease's figures into upstream's stats (TP rank 0 only, so that a

@@ -252,6 +252,36 @@ class ArenaStore:
             }
 
 
+def stage_lease(
+    arena: ArenaStore | None,
+    copier: Any,
+    staging: torch.Tensor,
+    rid: str,
+    block_ids: Sequence[int],
+    offset: int,
+    after: Any,
+    live: Callable[[str], bool],
+) -> tuple[str | None, str]:
+    """D's staging thread: lay the lease's ``block_ids`` out at ``staging[offset:]``, from the
+    device copy while it is provably intact (the gather by ``copier``, a
+    :class:`~kvlease_vllm._stagecopy.StagingCopier`, after ``after``; checked again after it ran),
+    else from the host arena. The source (``device`` / ``host``), or None and why."""
+    plan = arena.read_plan(rid, block_ids) if arena is not None else ReadPlan(STAGED_FROM_DEVICE)
+    if plan.source == STAGED_FROM_DEVICE:
+        copier.gather(block_ids, offset, after=after)
+        if not live(rid):  # expired during the gather: the blocks may be reused
+            return None, "expired while staging"
+        if arena is None or arena.intact(block_ids, plan.gens):
+            return STAGED_FROM_DEVICE, ""
+        plan = ReadPlan(STAGED_FROM_HOST)  # a step took a block during the gather
+    if plan.source != STAGED_FROM_HOST:
+        return None, plan.refusal or "not staged"
+    assert arena is not None
+    if not arena.promote(rid, block_ids, staging, offset) or not live(rid):
+        return None, "the lease left the host arena"
+    return STAGED_FROM_HOST, ""
+
+
 def available_host_bytes() -> int:
     """Host memory available to new allocations now (``MemAvailable``; else free pages)."""
     try:

@@ -125,7 +125,7 @@ def import_over_fake_vllm(
         mod = types.ModuleType(name)
         mod.__dict__.update(attrs)
         monkeypatch.setitem(sys.modules, name, mod)
-    stale = ("kvlease_vllm._compat", module)
+    stale = ("kvlease_vllm._compat", "kvlease_vllm._scheduler", "kvlease_vllm._worker_state", module)
     for name in stale:
         monkeypatch.delitem(sys.modules, name, raising=False)
     yield importlib.import_module(module)

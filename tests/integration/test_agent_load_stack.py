@@ -33,3 +33,6 @@ def test_quick_replay_of_the_kvlease_device_arm(stack_factory: Callable[[StackSp
     assert r["failed_turns"] == 0, r["errors"]
     assert r["follow_up_turns"] > 0 and r["statuses"].get("hit", 0) >= 1, r["statuses"]
     assert r["reused_token_share"] > 0
+    # the status breakdown comes from the connectors' own counters, over this run only
+    decisions = r["connector_counters"]["p_control"]
+    assert decisions.get('kvlease_pull_decisions_total{reason="pull"}', 0) >= r["statuses"]["hit"], decisions

@@ -26,6 +26,7 @@ from kvlease_stack._vllm_src import SUPPORTED, vllm_source
 pytestmark = pytest.mark.slow
 
 CONNECTOR = Path(__file__).resolve().parents[2] / "server_patch" / "kvlease_vllm" / "connector.py"
+SCHEDULER = CONNECTOR.with_name("_scheduler.py")
 WORKER = CONNECTOR.with_name("_worker.py")
 #: our class -> the upstream class it subclasses (as named in _compat).
 OURS = {
@@ -140,7 +141,7 @@ def _reads(cls: ast.ClassDef, owner: set[str]) -> set[str]:
 @pytest.fixture(scope="module")
 def ours() -> dict[str, ast.ClassDef]:
     found = {}
-    for path in (CONNECTOR, WORKER):
+    for path in (CONNECTOR, SCHEDULER, WORKER):
         tree = ast.parse(path.read_text(encoding="utf-8"))
         found.update({n.name: n for n in tree.body if isinstance(n, ast.ClassDef) and n.name in OURS})
     assert found.keys() == OURS.keys(), "connector classes renamed: update OURS"
