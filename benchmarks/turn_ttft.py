@@ -14,7 +14,9 @@ measured. Arms:
   rest is recomputed (the SDK leaves reuse on for this behind the kvlease connector).
 
 kvlease also runs with staged pulls (``kvlease.staging``, see ``kvlease_vllm._worker``) forced on:
-the arm ``kvlease`` runs with ``staging: off`` (upstream's per-block READ), the arm
+the arm ``kvlease`` runs with ``staging: off`` (upstream's per-block READ), the arms
+``kvlease+placement=auto`` / ``host`` place every finished turn in D's host arena (the pull then
+reads D's intact device copy, or D promotes the lease from the arena: ``placement_vs_device``), the arm
 ``kvlease+staging=always`` pulls every turn through D's staging buffer (one READ), so its
 pull time is compared with kvlease's per-block pull (``staged_vs_per_block``; on this CPU stack a
 pull is a handful of contiguous blocks, where staging is not expected to gain, only not to lose).
@@ -178,7 +180,39 @@ def _configurations(staging: tuple[str, ...]) -> list[tuple[str, str, dict[str, 
     off, upstream's READ), its staged arms, upstream's connector."""
     arms: list[tuple[str, str, dict[str, Any]]] = [("kvlease", "kvlease", {"staging": "off"})]
     arms += [(f"kvlease+staging={m}", "kvlease", {"staging": m}) for m in staging]
+    arms += [
+        (
+            f"kvlease+placement={p}",
+            "kvlease",
+            {"staging": "always", "placement": p, "host_arena_bytes": ARENA_BYTES},
+        )
+        for p in PLACEMENTS
+    ]
     return [*arms, ("nixl", "nixl", {})]
+
+
+#: The host-placement arms (``kvlease.placement``): D writes each finished turn through to its host
+#: arena and gives the blocks back; ``auto`` pulls the device copy while it is intact (here always:
+#: nothing else runs on D between the turns), ``host`` always promotes the lease from the arena.
+PLACEMENTS = ("auto", "host")
+ARENA_BYTES = 512 << 20
+
+
+def placement_vs_device(results: dict[str, Any]) -> dict[str, Any]:
+    """Each placement arm's median pull over the staged pull of a lease held in HBM, per prefix
+    mode and size (the cost of serving the pull from the arena: D's promotion)."""
+    out: dict[str, Any] = {}
+    for p in PLACEMENTS:
+        for cache in ("off", "on"):
+            placed = results.get(f"kvlease+placement={p}/prefix_cache={cache}")
+            held = results.get(f"kvlease+staging=always/prefix_cache={cache}")
+            if placed and held:
+                out[f"placement={p}/prefix_cache={cache}"] = {
+                    size: round(placed[size]["pull"] / held[size]["pull"], 3)
+                    for size in placed
+                    if size in held
+                }
+    return out
 
 
 def run(quick: bool = False, staging: str | None = None, arms: str | None = None) -> dict[str, Any]:
@@ -216,6 +250,7 @@ def run(quick: bool = False, staging: str | None = None, arms: str | None = None
             out["results"][key] = measure(spec, sizes, n, n if prefix else n_pull_off, samples_out=samples)
     out["pull_vs_upstream"] = pull_vs_upstream(out["results"])
     out["staged_vs_per_block"] = staged_vs_per_block(out["results"], modes)
+    out["placement_vs_device"] = placement_vs_device(out["results"])
     return out
 
 
@@ -276,6 +311,11 @@ def table(result: dict[str, Any]) -> str:
     for arm, by_size in result.get("staged_vs_per_block", {}).items():
         lines.append(
             f"staged pull / per-block pull, {arm}: "
+            + ", ".join(f"{size}: {ratio:.2f}" for size, ratio in by_size.items())
+        )
+    for arm, by_size in result.get("placement_vs_device", {}).items():
+        lines.append(
+            f"pull with host placement / staged pull of a lease in HBM, {arm}: "
             + ", ".join(f"{size}: {ratio:.2f}" for size, ratio in by_size.items())
         )
     return "\n".join(lines)
