@@ -13,11 +13,11 @@ bf16, 16-token blocks: 262,144 bytes a token):
   484 GB/s, and never faster than the NIC;
 - per-block device READ: 635.9 ms at 24k tokens, 196,608 descriptors (same table): 3.23 us a
   descriptor (one per layer, K or V, and block);
-- host arena pull: NIXL READ of another process's pinned host memory into VRAM, about 0.9 GB/s
-  with UCX's default transports (host-memory measurements on the same H200, 2026-12-03, NIXL 1.5.1
-  with UCX 1.23: 7,046 ms for 6 GiB); the target path, a pinned host-to-device copy, ran 117 ms
-  for 6 GiB (55 GB/s);
-- demotion: gathering a lease into pinned host memory, 122 ms for 6 GiB (53 GB/s, same runs).
+- host arena pull, the path D runs: D promotes the lease into its staging buffer (pinned H2D), P
+  reads it with one READ and scatters it: 130.7 ms for 6 GiB end to end (49 GB/s;
+  ``gpu_nixl_pull.py --arena``, 2026-12-04); a NIXL READ of the pinned host memory itself ran
+  about 0.9 GB/s with UCX's default transports (7,046 ms for 6 GiB, 2026-12-03);
+- demotion through D's worker code: 120.5 ms for 6 GiB (53 GB/s, the same run).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ PREFILL_MFU: Final = 0.4
 
 RESULTS: Final = "benchmarks/RESULTS.md"
 HOST_NOTES: Final = "H200 host-memory runs, 2026-12-03, NIXL 1.5.1 / UCX 1.23"
+ARENA_NOTES: Final = "H200, 2026-12-04, gpu_nixl_pull.py --arena"
 
 #: Staged device pull (RESULTS.md, GPU pull on one H200, 32B-class layout): (tokens, seconds).
 STAGED_1K: Final = (1024, 5.309e-3)
@@ -48,9 +49,13 @@ STAGED_24K: Final = (24576, 18.054e-3)
 MEASURED_BYTES_PER_TOKEN: Final = 262_144
 #: Per-block READ at 24k tokens: 635.9 ms over 196,608 descriptors.
 PER_BLOCK_S_PER_DESCRIPTOR: Final = 635.858e-3 / 196_608
-HOST_PULL_GBPS: Final = 0.9
-HOST_PULL_TARGET_GBPS: Final = 55.0
-DEMOTE_GBPS: Final = 53.0
+#: A pull from D's host arena by the path kvlease runs (D promotes into its staging buffer, P READs
+#: it and scatters): 6 GiB in 130.7 ms end to end (RESULTS.md, "Pulls from D's host arena").
+HOST_PULL_GBPS: Final = 6 * 2**30 / 130.7e-3 / 1e9
+#: The path not taken: a NIXL READ of another process's pinned host memory (UCX defaults).
+HOST_PULL_NIXL_GBPS: Final = 0.9
+#: Demotion through D's worker code: 6 GiB in 120.5 ms (same runs).
+DEMOTE_GBPS: Final = 6 * 2**30 / 120.5e-3 / 1e9
 NIC_GBPS: Final = 50.0
 #: Host DRAM per GPU when not given: a 2 TB, 8-GPU H200 host.
 HOST_BYTES_PER_GPU: Final = 250e9
@@ -260,12 +265,12 @@ def cluster_config(
                                 f"{RESULTS}: same line's slope; bounded by the NIC"),
         host_pull_rate=_given("host arena pull rate", None if host_pull_gbps is None else host_pull_gbps * GB,
                               "B/s", HOST_PULL_GBPS * GB,
-                              f"measured: NIXL READ of remote pinned host memory, UCX default, 6 GiB in "
-                              f"7,046 ms ({HOST_NOTES}); target path {HOST_PULL_TARGET_GBPS:.0f} GB/s "
-                              "(pinned H2D copy, 6 GiB in 117 ms)", "--host-pull-gbps"),
+                              f"measured ({RESULTS}): D promotes into its staging buffer, one READ, P scatters: 6 GiB "
+                              f"in 130.7 ms ({ARENA_NOTES}); a NIXL READ of the host memory itself ran "
+                              f"{HOST_PULL_NIXL_GBPS} GB/s ({HOST_NOTES})", "--host-pull-gbps"),
         demote_rate=_given("demotion rate (D2H gather)", None if demote_gbps is None else demote_gbps * GB,
-                           "B/s", DEMOTE_GBPS * GB, f"measured: gather into pinned host, 6 GiB in 122 ms "
-                           f"({HOST_NOTES})", "--demote-gbps"),
+                           "B/s", DEMOTE_GBPS * GB, f"measured ({RESULTS}): D's worker gathers into its pinned arena, "
+                           f"6 GiB in 120.5 ms ({ARENA_NOTES})", "--demote-gbps"),
         per_block_s=Figure("per-block READ, per descriptor", PER_BLOCK_S_PER_DESCRIPTOR, "s",
                            f"{RESULTS}: 635.9 ms for 196,608 descriptors at 24k tokens") if per_block else None,
         layers=kv.layers,

@@ -32,7 +32,7 @@ def test_table_names_each_cost_with_its_source() -> None:
         ("prefill rate per P node", "override with --prefill-tps"),
         ("decode rate per sequence", "override with --decode-tps"),
         ("device pull, fixed cost", "benchmarks/RESULTS.md: staged pull 5.3 ms at 1k, 18.1 ms at 24k"),
-        ("host arena pull rate", "UCX default"),
+        ("host arena pull rate", "gpu_nixl_pull.py --arena"),
         ("demotion rate (D2H gather)", "6 GiB in 122 ms"),
         ("NIC per node", "50 GB/s per GPU"),
     ):
