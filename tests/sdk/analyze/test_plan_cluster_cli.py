@@ -33,7 +33,7 @@ def test_table_names_each_cost_with_its_source() -> None:
         ("decode rate per sequence", "override with --decode-tps"),
         ("device pull, fixed cost", "benchmarks/RESULTS.md: staged pull 5.3 ms at 1k, 18.1 ms at 24k"),
         ("host arena pull rate", "gpu_nixl_pull.py --arena"),
-        ("demotion rate (D2H gather)", "6 GiB in 122 ms"),
+        ("demotion rate (D2H gather)", "6 GiB in 120.5 ms"),
         ("NIC per node", "50 GB/s per GPU"),
     ):
         line = next(ln for ln in out.splitlines() if name in ln)
