@@ -234,3 +234,15 @@ def test_auto_leases_leave_d_room_for_a_burst(auto: PD) -> None:
         auto.turn(first, None, salt())
     text = parse_prometheus(auto.http.get(auto.stack.decode.url + "/metrics").text)
     assert text.total("vllm:num_preemptions_total") == preempted
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_auto_pulls_match_no_pull_reference(auto: PD, variant: str) -> None:
+    build, must_pull = VARIANTS[variant]
+    first = auto.tok(chatml("user", USER_1) + ASSISTANT)
+    before = pulls(auto, "device") + pulls(auto, "host")
+    _, t2, r2 = pull_and_reference(auto, first, build)
+    assert t2.output == r2.output, f"{variant}: turn 2 (auto placement) diverged from the reference"
+    if must_pull:
+        assert t2.p_params[KV.KVLEASE][PREFILL_REUSE_STATUS] == "hit", t2.p_params
+        assert pulls(auto, "device") + pulls(auto, "host") == before + 1

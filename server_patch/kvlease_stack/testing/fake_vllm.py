@@ -475,6 +475,8 @@ class FakeNode:
             block_size=cfg.block_size,
             model=cfg.model,
             leases=self.retained.desk.status(),
+            placement="device" if self.role is not Role.PREFILL else None,
+            tier=self.retained.desk.metrics.tier(),
         )
         return web.json_response(info.to_json())
 

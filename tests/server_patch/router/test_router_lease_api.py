@@ -181,6 +181,11 @@ async def test_status_health_metrics(cluster: Cluster) -> None:
     assert status["mode"] == "kvlease" and status["renewals"] is True and status["store"] == "memory"
     assert status["decode_ttl_s"] == 120.0 and status["ttl_s"] == 115.0
     assert status["model"] == "fake-model" and status["vllm_version"] == "0.32.0"
+    # each node as its /info says now (refreshed by the status): D holds the first turn's lease
+    (d,) = status["decode"]
+    assert d["placement"] == "device"
+    assert d["tier"]["kvlease_device_blocks_held"] > 0, d
+    assert d["tier"]["kvlease_host_bytes_used"] == 0.0
     async with cluster.client.get(cluster.url + "/health") as r:
         assert r.status == 200
     async with cluster.client.get(cluster.url + METRICS_PATH) as r:
