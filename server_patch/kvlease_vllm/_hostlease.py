@@ -127,8 +127,13 @@ class HostLeases:
         return evicted
 
     def take_orders(self) -> tuple[tuple[str, ...], tuple[Demotion, ...]]:
-        """(drops, demotions) since the last call: a worker applies the drops first."""
-        drops, demotes = tuple(self._drops), tuple(self._demotes)
+        """(drops, demotions) since the last call: a worker applies the drops first. A lease that
+        left the arena before its order was taken is not demoted (it stays held on the device until
+        the workers end it)."""
+        live = [
+            d for d in self._demotes if (x := self.arena.get(d.lease_id)) is not None and x.offset == d.offset
+        ]
+        drops, demotes = tuple(self._drops), tuple(live)
         self._drops.clear()
         self._demotes.clear()
         return drops, demotes
