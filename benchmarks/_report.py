@@ -591,6 +591,9 @@ PLOTS: dict[str, Callable[[R, Path], list[tuple[str, str]]]] = {"ttft": plot_ttf
 from _report_agents import agent_rows, plot_agents, section  # noqa: E402  (agent sessions at equal load)
 
 SUMMARIES["agents"], PLOTS["agents"] = agent_rows, plot_agents
+from _report_cluster import cluster_rows, cluster_table  # noqa: E402  (kvlease plan --cluster)
+
+SUMMARIES["cluster"], TABLES["cluster"] = cluster_rows, cluster_table
 
 
 # ---- the report --------------------------------------------------------------------------------

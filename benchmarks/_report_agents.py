@@ -56,7 +56,7 @@ def print_table(res: dict[str, Any]) -> None:
     print(res["d_sizing"])
     if res.get("settings"):
         print(res["settings"])
-    head = f"{'arm':16s} {'N':>3s} {'TTFT p50':>9s} {'p90':>7s} {'p99':>7s} {'hit %':>6s} {'reused %':>8s} {'rt %':>5s} {'blk·s':>8s} {'max':>5s} {'preempt':>7s} {'tok/s':>6s} {'ITL p99':>8s} {'D KV %':>7s} {'failed':>7s}"
+    head = f"{'arm':16s} {'N':>3s} {'TTFT p50':>9s} {'p90':>7s} {'p99':>7s} {'hit %':>6s} {'reused %':>8s} {'pulled %':>8s} {'rt %':>5s} {'blk·s':>8s} {'max':>5s} {'preempt':>7s} {'tok/s':>6s} {'ITL p99':>8s} {'D KV %':>7s} {'failed':>7s}"
     print(head)
     print("-" * len(head))
     for name, a in res["arms"].items():
@@ -67,7 +67,7 @@ def print_table(res: dict[str, Any]) -> None:
             t = r["ttft_s"]
             print(
                 f"{name:16s} {n:>3s} {fmt(t['p50'], 1e3):>9s} {fmt(t['p90'], 1e3):>7s} {fmt(t['p99'], 1e3):>7s} "
-                f"{fmt(r['hit_rate'], 100):>6s} {fmt(r['reused_token_share'], 100):>8s} {fmt(r['round_trip_rate'], 100):>5s} "
+                f"{fmt(r['hit_rate'], 100):>6s} {fmt(r['reused_token_share'], 100):>8s} {fmt((r.get('p_pulled') or {}).get('share_of_follow_up_prompts'), 100):>8s} {fmt(r['round_trip_rate'], 100):>5s} "
                 f"{fmt(r['lease_blocks']['block_s']):>8s} {fmt(r['lease_blocks']['max']):>5s} {fmt(r['d_preemptions']):>7s} "
                 f"{fmt(r['decode_tokens_per_s'], 1, '.1f'):>6s} {fmt(r['itl_s']['p99'], 1e3):>8s} {fmt(r['d_kv_used']['mean_share'], 100):>3s}/{fmt(r['d_kv_used']['max_share'], 100):<3s} {r['failed_turns']:>3d}/{r['turns']:<3d}"
             )
@@ -127,7 +127,7 @@ def section(name: str, r: Any) -> list[str]:
         return []
     head = (
         "| arm | connectors | memory budgets | N | TTFT p50/p90/p99 ms | p90 by gap <10s/10-60s/60-480s/>480s ms "
-        "| follow-up hit | reused tokens | round trip | lease block·s (max) | D KV used mean/max | D preemptions "
+        "| follow-up hit | reused tokens (router) | pulled by P (vLLM) | round trip | lease block·s (max) | D KV used mean/max | D preemptions "
         "| decode tok/s "
         "| ITL p50/p99 ms | failed turns |"
     )
@@ -143,7 +143,7 @@ def section(name: str, r: Any) -> list[str]:
     ]
     for arm, a in r["arms"].items():
         if a.get("not_run"):
-            lines.append(f"| {arm} | not run | {a['not_run'][:200].replace('|', '/')} |" + " |" * 12)
+            lines.append(f"| {arm} | not run | {a['not_run'][:200].replace('|', '/')} |" + " |" * 13)
             continue
         for n, x in a["by_n"].items():
             t, g = x["ttft_s"], x["ttft_by_gap_s"]
@@ -151,7 +151,8 @@ def section(name: str, r: Any) -> list[str]:
             lb = x["lease_blocks"]
             lines.append(
                 f"| {arm} | {a['connectors']} | {a['budgets']} | {n} | {_ms(t['p50'])}/{_ms(t['p90'])}/{_ms(t['p99'])} "
-                f"| {gaps} | {_pct(x['hit_rate'])} | {_pct(x['reused_token_share'])} | {_pct(x['round_trip_rate'])} "
+                f"| {gaps} | {_pct(x['hit_rate'])} | {_pct(x['reused_token_share'])} "
+                f"| {_pct((x.get('p_pulled') or {}).get('share_of_follow_up_prompts'))} | {_pct(x['round_trip_rate'])} "
                 f"| {_n(lb['block_s'])} ({_n(lb['max'])}) | {_kv(x.get('d_kv_used'))} | {x['d_preemptions']:.0f} "
                 f"| {x['decode_tokens_per_s'] or 0:.1f} | {_ms(x['itl_s']['p50'])}/{_ms(x['itl_s']['p99'])} "
                 f"| {x['failed_turns']} of {x['turns']} |"
@@ -173,6 +174,15 @@ def section(name: str, r: Any) -> list[str]:
                 if "NixlConnector" in a.get("connectors", "")
                 else ""
             )
+            pp = x.get("p_pulled") or {}
+            if pp:
+                reused += (
+                    f"; P loaded {pp['tokens']:.0f} tokens from D (vLLM's external_prefix_cache_hits on P, "
+                    f"{_pct(pp.get('share_of_follow_up_prompts'))} of follow-up prompts) in {pp['nixl_reads']:.0f} NIXL reads"
+                )
+            lb = x.get("lease_blocks") or {}
+            if lb.get("cached_max"):
+                reused += f"; D's evictable device copies of host leases: {_n(lb['cached_block_s'])} block·s (max {_n(lb['cached_max'])})"
             notes.append(
                 f"- {arm}, N={n}: follow-ups {st}; TTFT: {src}{err}"
                 + (f"; reused tokens: {reused}" if reused else "")

@@ -397,6 +397,7 @@ async def _poll_d(
     held: list[tuple[float, float]],
     used: list[tuple[float, float]],
     host: list[tuple[float, float]],
+    cached: list[tuple[float, float]],
     every: float = 1.0,
 ) -> None:
     """Every ``every`` s: the blocks leases hold on D (its control endpoint's
@@ -420,6 +421,7 @@ async def _poll_d(
                     key = "kvlease_device_blocks_held"
                     held.append((now, m.total(key if key in m.names() else "kvlease_retained_blocks")))
                     host.append((now, m.total("kvlease_host_bytes_used")))
+                    cached.append((now, m.total("kvlease_device_blocks_cached")))
             except Exception:  # a missed poll is a gap in the series, not a failure of the arm
                 pass
             try:
@@ -453,10 +455,11 @@ def _scrape(stack: Any) -> dict[str, Any]:
     from kvlease_stack import parse_prometheus
 
     out: dict[str, Any] = {}
-    try:
-        out["d"] = stack.decode.metrics(timeout=10.0)
-    except Exception:
-        out["d"] = {}
+    for role, server in (("p", stack.prefill), ("d", stack.decode)):
+        try:
+            out[role] = server.metrics(timeout=10.0)
+        except Exception:
+            out[role] = {}
     auth = {CONTROL_AUTH_HEADER: f"Bearer {stack.control_secret}"}
     for role, server in (("p_control", stack.prefill), ("d_control", stack.decode)):
         if server.control is None:
@@ -503,7 +506,8 @@ async def _replay(
     before = _scrape(stack)
     t0 = time.monotonic()
     deadline = t0 + plan.duration_s
-    poller = asyncio.create_task(_poll_d(stack, t0, stop, held, used, host))
+    cached: list[tuple[float, float]] = []
+    poller = asyncio.create_task(_poll_d(stack, t0, stop, held, used, host, cached))
     tag = f"{arm.name}-n{n}"
     try:
         await asyncio.gather(
@@ -565,12 +569,26 @@ async def _replay(
     out["d_itl_mean_s"] = itl_mean
     out["ttft_estimate_error_s"] = S.error_summary(est_err)
     out["router_ttl_s"] = ttl_seen
+    # measured on P by vLLM itself, every arm: tokens P loaded through its connector (pulled from D;
+    # the router's figure for stock vLLM is only what D held), P's own prefix-cache hits, NIXL reads
+    pulled = sum(S.counter_deltas(before["p"], after["p"], ("vllm:external_prefix_cache_hits",)).values())
+    follow_prompt = sum(t.get("prompt_tokens") or 0 for t in turns if t["turn"] > 0 and not t.get("error"))
+    out["p_pulled"] = {
+        "tokens": pulled,
+        "share_of_follow_up_prompts": pulled / follow_prompt if follow_prompt else None,
+        "nixl_reads": S.histogram_delta(before["p"], after["p"], "vllm:nixl_xfer_time_seconds")[2],
+        "vllm_counters_p": S.counter_deltas(
+            before["p"], after["p"], ("vllm:external_prefix_cache", "vllm:prefix_cache", "vllm:nixl_num")
+        ),
+        "vllm_counters_d": S.counter_deltas(before["d"], after["d"], ("vllm:nixl_num",)),
+    }
     out["connector_counters"] = {
         role: S.counter_deltas(before[role], after[role], CONTROL_COUNTERS)
         for role in ("p_control", "d_control")
         if role in after
     }
     block_s, mx = S.block_seconds(held)
+    cached_s, cached_mx = S.block_seconds(cached)
     used_s, used_max = S.block_seconds(used)
     exposed = stack.decode.control is not None
     out |= {
@@ -581,6 +599,9 @@ async def _replay(
             "block_s": round(block_s, 1) if exposed else None,
             "max": mx if exposed else None,
             "series": [(round(t, 1), b) for t, b in held],
+            # auto/host: the device copies of written-through leases (evictable, not held)
+            "cached_block_s": round(cached_s, 1) if exposed else None,
+            "cached_max": cached_mx if exposed else None,
             "source": "D control /metrics" if exposed else "not exposed by NixlConnector",
         },
         # vLLM's own gauge, every arm: the running batch plus whatever D retains

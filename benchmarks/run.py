@@ -64,6 +64,11 @@ BENCHMARKS: dict[str, tuple[str, str, bool]] = {
         "Agent sessions at equal load: plain P/D, upstream NixlConnector, kvlease",
         True,
     ),
+    "cluster": (
+        "plan_cluster",
+        "Agent sessions at cluster scale, simulated (kvlease plan --cluster): five policies at equal load",
+        False,
+    ),
 }
 
 
