@@ -113,7 +113,7 @@ ARMS: tuple[Arm, ...] = (
         True,
         {"placement": "auto", "host_arena_bytes": HOST_ARENA_BYTES},
         sdk=True,
-        what="P/D: KVLeaseConnector, leases in D's KV cache, demoted to a host arena under pressure",
+        what="P/D: KVLeaseConnector, leases written through to a host arena at finish, D's blocks given back (HBM a cache: pulls read the intact device copy, else the arena)",
     ),
     Arm(
         "kvlease-host",
@@ -121,7 +121,7 @@ ARMS: tuple[Arm, ...] = (
         True,
         {"placement": "host", "host_arena_bytes": HOST_ARENA_BYTES},
         sdk=True,
-        what="P/D: KVLeaseConnector, leases in a host arena",
+        what="P/D: KVLeaseConnector, leases written through to a host arena at finish, pulls always from the arena",
     ),
 )
 QUICK_ARMS = ("upstream", "kvlease-device")

@@ -163,6 +163,8 @@ def router_process(
     cmd += ["--port", "0", "--control-secret", stack.control_secret, "--log-level", "warning"]
     if stack.prefill.control:
         cmd += ["--prefill-control", stack.prefill.control, "--decode-control", stack.decode.control]
+    elif "--node-ttl" not in (extra_args or []):  # stock vLLM: the router cannot ask D for its TTL
+        cmd += ["--node-ttl", str(stack.spec.ttl)]
     cmd += extra_args or []
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, process_group=0)
     try:
