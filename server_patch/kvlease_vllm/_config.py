@@ -349,6 +349,28 @@ def check_placement(cfg: KVLeaseConfig) -> None:
         )
 
 
+V2_RUNNER_ENV: Final = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+def check_model_runner(cfg: KVLeaseConfig, *, kv_role: str | None, v2_model_runner: bool) -> None:
+    """Refuse host placement on vLLM's V2 model runner (GPU vLLM 0.33's default where Triton is
+    available): it zeroes and copies a step's newly allocated blocks *before* calling the
+    connector's ``handle_preemptions``, so a block D gave back after ordering its demotion could be
+    overwritten while the demotion still reads it, and a device copy could change before its
+    generation does. The V1 runner calls the hook first (checked against vLLM's sources)."""
+    if not v2_model_runner or kv_role not in ("kv_consumer", "kv_both"):
+        return
+    placement = cfg.resolved_placement()
+    if placement == PLACEMENT_DEVICE:
+        return
+    raise ConfigError(
+        f"kvlease.placement={placement!r} needs vLLM's V1 model runner: the V2 runner writes newly "
+        "allocated blocks before the connector's handle_preemptions hook, so a lease's blocks given "
+        f"back to vLLM could be overwritten during their demotion; set {V2_RUNNER_ENV}=0 on this "
+        "decode node, or kvlease.placement 'device' (or host_arena_bytes 0)"
+    )
+
+
 #: Host memory the arena must leave to everything else on the node (vLLM's processes, the page
 #: cache, pinned staging): a judgement, not a measurement.
 ARENA_HEADROOM_BYTES: Final = 4 << 30

@@ -37,6 +37,7 @@ from kvlease_vllm._compat import (
 from kvlease_vllm._config import (
     BIDIR_KEY,
     check_free_ordering,
+    check_model_runner,
     check_platform,
     normalize_extra_config,
     recompute_policy,
@@ -72,6 +73,9 @@ class KVLeaseConnector(NixlConnector):  # type: ignore[misc,valid-type]
             device_type=PLATFORM_DEVICE_TYPE,
             kv_buffer_device=ktc.kv_buffer_device,
             bidirectional=bidirectional,
+        )
+        check_model_runner(
+            cfg, kv_role=ktc.kv_role, v2_model_runner=bool(getattr(vllm_config, "use_v2_model_runner", False))
         )
         check_free_ordering(
             kv_role=ktc.kv_role,

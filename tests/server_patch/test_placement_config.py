@@ -386,3 +386,18 @@ def test_host_leases_from_the_config(
         return
     assert got is not None and got.device_ok is device_ok and got.block_bytes == block_bytes
     assert got.arena.capacity == 1 << 20 and got.arena.max_lease_lifetime_s == 90.0
+
+
+# ---- the model runner -------------------------------------------------------------------------
+@pytest.mark.parametrize("placement", ["auto", "host"])
+def test_host_placement_refused_on_the_v2_model_runner_naming_the_setting(placement: str) -> None:
+    from kvlease_vllm._config import check_model_runner
+
+    cfg = parse_kvlease_config({"placement": placement, "host_arena_bytes": 1 << 20})
+    with pytest.raises(ConfigError, match="VLLM_USE_V2_MODEL_RUNNER=0") as e:
+        check_model_runner(cfg, kv_role="kv_consumer", v2_model_runner=True)
+    assert f"kvlease.placement={placement!r}" in str(e.value)
+    check_model_runner(cfg, kv_role="kv_consumer", v2_model_runner=False)  # the V1 runner: fine
+    check_model_runner(cfg, kv_role="kv_producer", v2_model_runner=True)  # P holds no lease
+    device = parse_kvlease_config({"placement": "device", "host_arena_bytes": 1 << 20})
+    check_model_runner(device, kv_role="kv_consumer", v2_model_runner=True)

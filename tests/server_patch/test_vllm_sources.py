@@ -427,4 +427,13 @@ def test_what_host_placement_relies_on(upstream: ClassIndex) -> None:
     assert {"block_hash", "ref_cnt"} <= block
     init = _nixl(root, "__init__.py").read_text()
     assert "NixlKVConnectorStats" in init
+    # the V2 runner (0.33's default with Triton) writes new blocks before the hook: refused there
+    config = (root / "config" / "vllm.py").read_text()
+    assert "def use_v2_model_runner(self) -> bool:" in config
+    v2 = root / "v1" / "worker" / "gpu" / "model_runner.py"
+    if v2.exists():
+        text = v2.read_text()
+        assert text.index("zero_block_ids(scheduler_output.new_block_ids_to_zero)") < text.index(
+            "self.kv_connector.pre_forward("
+        )
     assert "kv_connector_stats" in _class_fields(root / "v1" / "outputs.py", "KVConnectorOutput")
