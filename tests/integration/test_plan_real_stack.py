@@ -29,7 +29,7 @@ pytestmark = pytest.mark.integration
 ROUTER_TTL_S = 8.0
 #: Pauses before turns 2.. (seconds): well inside, then well past, then inside the TTL again.
 PAUSES = (1.0, 3 * ROUTER_TTL_S, 1.0)
-RETAINED = {"hit", "miss", "mismatch"}
+RETAINED = {"hit", "miss", "mismatch", "local_hit"}
 
 
 @pytest.fixture
