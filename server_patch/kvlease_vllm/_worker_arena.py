@@ -59,7 +59,6 @@ class _Placed:
     nbytes: int = 0
     copy: _arena_copy.CopyHandle | None = None
     started: float = 0.0
-    timed: bool = False
 
     def positions(self, block_ids: Sequence[int]) -> list[int] | None:
         index = {b: i for i, b in enumerate(self.block_ids)}
@@ -101,6 +100,8 @@ class ArenaStore:
         self._lock = threading.Lock()
         self._gen: dict[int, int] = {}
         self._placed: dict[str, _Placed] = {}
+        #: Demotions not yet seen done (the only ones a step may have to wait for, or time).
+        self._pending: list[_Placed] = []
         self._by_offset: dict[int, str] = {}
 
     # -------------------------------------------------------------- engine thread
@@ -142,19 +143,13 @@ class ArenaStore:
 
     def _bump(self, allocated: Iterable[int]) -> None:
         gen = self._gen
-        busy = []
         for b in allocated:
             gen[b] = gen.get(b, 0) + 1
-        if self.stream is not None:  # a block still being demoted: the step's writes wait for it
+        if self.stream is not None and self._pending:  # a block still being demoted: the step waits
             blocks = set(allocated)
-            busy = [
-                p.copy
-                for p in self._placed.values()
-                if p.copy and not p.copy.done() and blocks & set(p.block_ids)
-            ]
-            for handle in busy:
-                if handle.event is not None:
-                    torch.cuda.current_stream().wait_event(handle.event)
+            for p in self._pending:
+                if p.copy is not None and p.copy.event is not None and not blocks.isdisjoint(p.block_ids):
+                    torch.cuda.current_stream().wait_event(p.copy.event)
 
     def _drop_range(self, rid: str) -> None:
         placed = self._placed.get(rid)
@@ -189,16 +184,20 @@ class ArenaStore:
         )
         placed.offset, placed.nbytes = order.offset, need
         self._by_offset[order.offset] = order.lease_id
+        self._pending.append(placed)
 
     def _timings(self) -> None:
         """The demotion histogram, for copies seen done (CUDA: polled once a step)."""
         now = time.perf_counter()
         with self._lock:
-            for p in self._placed.values():
-                if p.copy is not None and not p.timed and p.copy.done():
-                    p.timed = True
-                    if self.on_demoted is not None:
-                        self.on_demoted(now - p.started)
+            done: list[_Placed] = []
+            still: list[_Placed] = []
+            for p in self._pending:
+                (done if p.copy is None or p.copy.done() else still).append(p)
+            self._pending = still
+        if self.on_demoted is not None:
+            for p in done:
+                self.on_demoted(now - p.started)
 
     # -------------------------------------------------------------- staging thread
     def read_plan(self, rid: str, block_ids: Sequence[int]) -> ReadPlan:
