@@ -201,16 +201,24 @@ ARENA_BYTES = 512 << 20
 def placement_vs_device(results: dict[str, Any]) -> dict[str, Any]:
     """Each placement arm's median pull over the staged pull of a lease held in HBM, per prefix
     mode and size (the cost of serving the pull from the arena: D's promotion)."""
+    return _pull_ratios(
+        results, [(f"placement={p}", f"kvlease+placement={p}", "kvlease+staging=always") for p in PLACEMENTS]
+    )
+
+
+def _pull_ratios(results: dict[str, Any], pairs: list[tuple[str, str, str]]) -> dict[str, Any]:
+    """``{"<label>/prefix_cache=<on|off>": {size: arm pull / base pull}}`` for each ``(label, arm,
+    base)`` configuration pair that ran, per prefix mode and size both ran."""
     out: dict[str, Any] = {}
-    for p in PLACEMENTS:
+    for label, arm, base in pairs:
         for cache in ("off", "on"):
-            placed = results.get(f"kvlease+placement={p}/prefix_cache={cache}")
-            held = results.get(f"kvlease+staging=always/prefix_cache={cache}")
-            if placed and held:
-                out[f"placement={p}/prefix_cache={cache}"] = {
-                    size: round(placed[size]["pull"] / held[size]["pull"], 3)
-                    for size in placed
-                    if size in held
+            mine = results.get(f"{arm}/prefix_cache={cache}")
+            theirs = results.get(f"{base}/prefix_cache={cache}")
+            if mine and theirs:
+                out[f"{label}/prefix_cache={cache}"] = {
+                    size: round(mine[size]["pull"] / theirs[size]["pull"], 3)
+                    for size in mine
+                    if size in theirs
                 }
     return out
 
@@ -256,18 +264,7 @@ def run(quick: bool = False, staging: str | None = None, arms: str | None = None
 
 def staged_vs_per_block(results: dict[str, Any], modes: tuple[str, ...]) -> dict[str, Any]:
     """Each staged arm's median pull time over kvlease's per-block pull, per prefix mode and size."""
-    out: dict[str, Any] = {}
-    for mode in modes:
-        for cache in ("off", "on"):
-            staged = results.get(f"kvlease+staging={mode}/prefix_cache={cache}")
-            plain = results.get(f"kvlease/prefix_cache={cache}")
-            if staged and plain:
-                out[f"staging={mode}/prefix_cache={cache}"] = {
-                    size: round(staged[size]["pull"] / plain[size]["pull"], 3)
-                    for size in staged
-                    if size in plain
-                }
-    return out
+    return _pull_ratios(results, [(f"staging={m}", f"kvlease+staging={m}", "kvlease") for m in modes])
 
 
 def pull_vs_upstream(results: dict[str, Any]) -> dict[str, Any]:

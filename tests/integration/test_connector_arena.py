@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 
@@ -65,20 +66,11 @@ HOST = StackSpec(
         "max_lease_lifetime_s": LIFETIME,
     },
 )
-AUTO = StackSpec(
-    model="tiny",
-    connector="kvlease",
+_HOST_KEYS = {k: v for k, v in HOST.kvlease.items() if k != "max_lease_lifetime_s"}
+AUTO = replace(
+    HOST,
     ttl=60.0,
-    recompute_threshold=32,
-    prefix_caching=False,
-    dtype="float32",
-    kvlease={
-        **ALWAYS_PULL,
-        "staging": "always",
-        "staging_timeout_s": 10.0,
-        "placement": "auto",
-        "host_arena_bytes": 64 << 20,
-    },
+    kvlease={**_HOST_KEYS, "placement": "auto", "host_arena_bytes": 64 << 20},
     decode_args=("--num-gpu-blocks-override", str(D_BLOCKS)),
 )
 
