@@ -225,6 +225,31 @@ def _arena_op(store: Any, msg: dict[str, Any], staging: Any) -> float:
     return time.perf_counter() - t
 
 
+def _staged_read(
+    conn: Any, read: tuple[Any, ...], caches: list[Any], staging: Any, p_ids: Any, ask: Any
+) -> tuple[float, Any]:
+    """P's staged pull: D's answer to ``ask`` (None: nothing to ask, D staged already), ONE READ
+    (``read``: agent, local and remote descriptors, D's agent), the scatter into P's blocks
+    ``p_ids``; its seconds and D's answer."""
+    import torch
+
+    agent, local_one, remote_one, remote = read
+    n = len(p_ids)
+    t = time.perf_counter()
+    answer = None
+    if ask is not None:
+        conn.send(ask)
+        answer = conn.recv()
+    h = agent.initialize_xfer("READ", local_one, remote_one, remote)
+    _wait(agent, h)
+    for r, cache in enumerate(caches):
+        cache.index_copy_(0, p_ids, staging[r * n : (r + 1) * n])
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t
+    agent.release_xfer_handle(h)
+    return dt, answer
+
+
 def _wait(agent: Any, handle: Any) -> None:
     state = agent.transfer(handle)
     while state == "PROC":
@@ -326,18 +351,9 @@ def p_main(
             local_one = agent.get_xfer_descs([(staging.data_ptr(), nbytes, 0)], "VRAM")
             remote_one = agent.get_xfer_descs([(info["staging"], nbytes, 0)], "VRAM")
             pi = torch.as_tensor(p_ids, device="cuda")
+            read = (agent, local_one, remote_one, remote)
             for pre in (False, True):
-                t = time.perf_counter()
-                if not pre:
-                    conn.send(d_ids.tolist())
-                    conn.recv()
-                h = agent.initialize_xfer("READ", local_one, remote_one, remote)
-                _wait(agent, h)
-                for r, cache in enumerate(caches):
-                    cache.index_copy_(0, pi, staging[r * n : (r + 1) * n])
-                torch.cuda.synchronize()
-                dt = time.perf_counter() - t
-                agent.release_xfer_handle(h)
+                dt, _ = _staged_read(conn, read, caches, staging, pi, None if pre else d_ids.tolist())
                 check(p_ids, d_ids)
                 if keep:
                     times["staged_pregathered" if pre else "staged"].append(dt)
@@ -345,18 +361,8 @@ def p_main(
             if arena:  # the lease in D's host arena: D promotes it, P READs it and scatters it
                 conn.send({"op": "demote", "ids": d_ids.tolist()})
                 demote_s = conn.recv()
-                for c in caches:
-                    c.zero_()
-                t = time.perf_counter()
-                conn.send({"op": "promote", "ids": d_ids.tolist()})
-                promote_s = conn.recv()
-                h = agent.initialize_xfer("READ", local_one, remote_one, remote)
-                _wait(agent, h)
-                for r, cache in enumerate(caches):
-                    cache.index_copy_(0, pi, staging[r * n : (r + 1) * n])
-                torch.cuda.synchronize()
-                dt = time.perf_counter() - t
-                agent.release_xfer_handle(h)
+                ask = {"op": "promote", "ids": d_ids.tolist()}
+                dt, promote_s = _staged_read(conn, read, caches, staging, pi, ask)
                 check(p_ids, d_ids)
                 if keep:
                     times["arena"].append(dt)
