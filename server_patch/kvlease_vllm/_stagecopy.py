@@ -27,6 +27,9 @@ from typing import Any
 
 import torch
 
+from kvlease_vllm._config import check_staging_memory
+from kvlease_vllm._staging import ALIGN
+
 __all__ = ["StagingCopier", "kv_tensors", "region_views"]
 
 
@@ -138,3 +141,26 @@ class StagingCopier:
                 else:
                     view.index_copy_(0, idx, part)
                 pos += n * length
+
+
+def staging_buffer(
+    tensors: Sequence[torch.Tensor], num_blocks: int, block_size: int, max_tokens: int, cache_config: Any
+) -> torch.Tensor:
+    """A worker's staging buffer: ``max_tokens`` of this model's KV (from the registered tensors'
+    bytes per token), page-aligned, on the KV's device. A CUDA buffer lives outside vLLM's memory
+    budget: refused (:func:`~kvlease_vllm._config.check_staging_memory`) unless it fits there."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    per_token = sum(storages.values()) / max(num_blocks, 1) / max(block_size, 1)
+    nbytes = -(-int(per_token * max_tokens) // ALIGN) * ALIGN
+    device = tensors[0].device
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        check_staging_memory(
+            staging_bytes=nbytes,
+            staging_tokens=max_tokens,
+            total_bytes=total,
+            free_bytes=free,
+            gpu_memory_utilization=cache_config.gpu_memory_utilization,
+            kv_cache_memory_bytes=cache_config.kv_cache_memory_bytes,
+        )
+    return torch.zeros(nbytes, dtype=torch.uint8, device=device)

@@ -33,17 +33,16 @@ Overridden (signatures pinned against vLLM 0.32 and 0.33): ``__init__``, ``regis
 
 from __future__ import annotations
 
+import functools
 import socket
 import time
 from collections import Counter
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvlease.protocol._staging import (
-    STAGED_FROM_DEVICE,
     STAGING_OP_RELEASE,
     STAGING_OP_STAGE,
     StagingRefusal,
@@ -52,9 +51,9 @@ from kvlease.protocol._staging import (
 )
 from kvlease_vllm import _staging
 from kvlease_vllm._compat import NixlPullConnectorWorker, init_logger, vllm_envs
-from kvlease_vllm._config import PLACEMENT_DEVICE, ConfigError, KVLeaseConfig, check_staging_memory
+from kvlease_vllm._config import PLACEMENT_DEVICE, ConfigError, KVLeaseConfig
 from kvlease_vllm._metrics import STAT_DEMOTION_S, STAT_PULLS
-from kvlease_vllm._stagecopy import StagingCopier, kv_tensors, region_views
+from kvlease_vllm._stagecopy import StagingCopier, kv_tensors, region_views, staging_buffer
 from kvlease_vllm._worker_arena import ArenaStore, allocate_arena, stage_lease
 from kvlease_vllm._worker_state import _ASK, KVLeaseStats, _Abandoned, _Staged
 
@@ -67,7 +66,6 @@ logger = init_logger("vllm.kvlease.worker")
 __all__ = ["KVLeaseWorker"]
 
 _READ, _SCATTER = "read", "scatter"
-_DEVICE = STAGED_FROM_DEVICE
 
 
 class KVLeaseWorker(NixlPullConnectorWorker):  # type: ignore[misc]
@@ -149,7 +147,7 @@ class KVLeaseWorker(NixlPullConnectorWorker):  # type: ignore[misc]
                     self._kvl_region_bytes,
                     device=self._kvl_buffer.device,
                     workers_on_host=self.world_size,
-                    on_demoted=self._kvl_stat(STAT_DEMOTION_S),
+                    on_demoted=functools.partial(self._kvl_record, STAT_DEMOTION_S),
                 )
             dp = int(self.vllm_config.parallel_config.data_parallel_index or 0)
             port = _staging.staging_port(self.kvl_cfg.staging_port, dp, self.world_size, self.tp_rank)
@@ -182,22 +180,14 @@ class KVLeaseWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             )
 
     def _kvl_allocate(self, tensors: list[torch.Tensor]) -> None:
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-        per_token = sum(storages.values()) / max(self.num_blocks, 1) / max(self.block_size, 1)
-        nbytes = -(-int(per_token * self.kvl_cfg.staging_max_tokens) // _staging.ALIGN) * _staging.ALIGN
-        device = tensors[0].device
-        if device.type == "cuda":  # the buffer lives outside vLLM's memory budget
-            free, total = torch.cuda.mem_get_info(device)
-            cache = self.vllm_config.cache_config
-            check_staging_memory(
-                staging_bytes=nbytes,
-                staging_tokens=self.kvl_cfg.staging_max_tokens,
-                total_bytes=total,
-                free_bytes=free,
-                gpu_memory_utilization=cache.gpu_memory_utilization,
-                kv_cache_memory_bytes=cache.kv_cache_memory_bytes,
-            )
-        self._kvl_buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        self._kvl_buffer = staging_buffer(
+            tensors,
+            self.num_blocks,
+            self.block_size,
+            self.kvl_cfg.staging_max_tokens,
+            self.vllm_config.cache_config,
+        )
+        nbytes, device = self._kvl_buffer.numel(), self._kvl_buffer.device
         self._kvl_dev = int(device.index or 0) if device.type == "cuda" else 0
         if device.type == "cuda":
             self._kvl_stream = torch.cuda.Stream(device=device)
@@ -295,15 +285,10 @@ class KVLeaseWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             self._kvl_live,
         )
 
-    def _kvl_stat(self, key: str) -> Callable[[float], None]:
-        """A recorder of one of kvlease's figures into upstream's stats (TP rank 0 only, so that a
-        pull or demotion counts once, not once per rank)."""
-
-        def record(value: float) -> None:
-            if getattr(self, "tp_rank", 0) == 0 and isinstance(self.xfer_stats, KVLeaseStats):
-                self.xfer_stats.record(key, value)
-
-        return record
+    def _kvl_record(self, key: str, value: float) -> None:
+        """One of kvlease's figures into upstream's stats (TP rank 0's: a pull counts once)."""
+        if getattr(self, "tp_rank", 0) == 0 and isinstance(self.xfer_stats, KVLeaseStats):
+            self.xfer_stats.record(key, value)
 
     def _kvl_before_step(self, metadata: Any) -> None:
         """vLLM's ``handle_preemptions``: before the step zeroes, copies or writes any block."""
@@ -516,7 +501,7 @@ class KVLeaseWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             self.xfer_stats.record_failed_notification()
         self._recving_transfers[rid] = []  # no handle left: upstream reports it received
         self.kvl_counts["staged"] += 1
-        self._kvl_stat(STAT_PULLS + (st.source or _DEVICE))(1)
+        self._kvl_record(STAT_PULLS + st.source, 1)
         logger.info(
             "kvlease %s: staged pull of %d blocks (%d bytes, one READ) in %.1f ms",
             rid,

@@ -9,7 +9,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvlease.protocol._staging import StagingReply
+from kvlease.protocol._staging import STAGED_FROM_DEVICE, StagingReply
 from kvlease_vllm._compat import NixlKVConnectorStats
 from kvlease_vllm._metrics import STAT_KEYS
 
@@ -53,7 +53,7 @@ class _Staged:
     handle: Any = None
     event: Any = None
     t0: float = field(default_factory=time.perf_counter)
-    source: str = ""  # where D's bytes came from (StagingReply.source)
+    source: str = STAGED_FROM_DEVICE  # where D's bytes came from (StagingReply.source)
 
 
 @dataclass

@@ -124,13 +124,12 @@ from kvlease.protocol._handle import (  # noqa: F401
     _hash_seed,
     block_hashes,
     common_prefix_blocks,
-    handle_mac,
-    mac_ok,
     mm_digest,
     prefill_request_params,
     pull_request_params,
     tail_hash,
 )
+from kvlease.protocol._handle_mac import handle_mac, mac_ok
 from kvlease.protocol._turnlog import (
     TURN_LOG_FIELDS,
     TurnLogKey,
