@@ -167,7 +167,7 @@ def supported_sessions(p90_by_n: dict[int, float | None], target_s: float) -> in
 
 
 def summarize(turns: Sequence[dict[str, Any]], wall_s: float) -> dict[str, Any]:
-    """Per-arm figures from the replay's turn records (see ``agent_load._turn``)."""
+    """Per-arm figures from the replay's turn records (see ``_agent_replay._turn``)."""
     done = [t for t in turns if not t.get("error")]
     ttfts = [t["ttft_s"] for t in done if t.get("ttft_s") is not None]
     follow = [t for t in done if t["turn"] > 0]
